@@ -1,0 +1,1 @@
+"""orsd_jax: Online Rubric Self-Distillation for LLM agents, in JAX and Flax NNX."""

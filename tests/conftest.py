@@ -1,0 +1,15 @@
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def webshop_data() -> pathlib.Path:
+    """The official 1000-product WebShop files: $WEBSHOP_DATA, else ../shared/webshop."""
+    path = pathlib.Path(os.environ.get("WEBSHOP_DATA", REPO.parent / "shared" / "webshop"))
+    if not (path / "items_shuffle_1000.json").exists():
+        pytest.fail(f"WebShop data not found at {path}; set WEBSHOP_DATA")
+    return path
