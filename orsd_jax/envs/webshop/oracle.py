@@ -1,0 +1,49 @@
+"""A scripted policy that buys the goal product: the reference run for the environment's tests.
+
+It searches the goal product's title, opens the product (paging through the results when it
+is not on the first page), clicks each goal option value the page offers, and buys.
+"""
+
+from __future__ import annotations
+
+from orsd_jax.envs.base import EnvStep, Task
+from orsd_jax.envs.webshop.env import WebShopEnv
+from orsd_jax.envs.webshop.goals import Goal
+from orsd_jax.envs.webshop.pages import SEARCH_PLACEHOLDER
+
+
+def title_query(title: str) -> str:
+    """The title as a search argument: brackets would break the ``search[...]`` command."""
+    return " ".join(title.replace("[", " ").replace("]", " ").split())
+
+
+class OraclePolicy:
+    def __init__(self, goal: Goal):
+        self._goal = goal
+        self._pending = list(goal.option_values)
+
+    def __call__(self, step: EnvStep) -> str:
+        actions = set(step.admissible_actions)
+        open_product = f"click[{self._goal.asin.lower()}]"
+        if SEARCH_PLACEHOLDER in actions:
+            return f"search[{title_query(self._goal.name)}]"
+        if open_product in actions:
+            return open_product
+        if "click[buy now]" in actions:
+            while self._pending:
+                choose = f"click[{self._pending.pop(0)}]"
+                if choose in actions:
+                    return choose
+            return "click[buy now]"
+        if "click[next >]" in actions:
+            return "click[next >]"
+        return ""  # lost: wait for the step limit
+
+
+def run_oracle(env: WebShopEnv, task: Task) -> EnvStep:
+    """Plays one episode with the oracle; returns the last step."""
+    step = env.reset(task)
+    policy = OraclePolicy(env.goal)
+    while not step.done:
+        step = env.step(policy(step))
+    return step

@@ -1,0 +1,84 @@
+"""The loaded WebShop world (catalog, goals, prices, search index), built once per process.
+
+Every environment in a process shares one world: EnvPool workers each hold several
+environments, and the data is immutable, so the load (about a second on the 1000-product set,
+most of it spaCy when the first purchase is scored) happens once per worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from pathlib import Path
+
+from orsd_jax.envs.base import Task
+from orsd_jax.envs.webshop.data import Catalog, load_catalog, resolve_data_dir
+from orsd_jax.envs.webshop.goals import Goal, GoalSet, Split, make_goal_set, split_indices
+from orsd_jax.envs.webshop.search import SearchEngine
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldKey:
+    data_dir: str
+    use_small: bool
+    num_products: int | None
+    human_goals: bool
+
+    @classmethod
+    def make(
+        cls,
+        data_dir: str | os.PathLike | None,
+        use_small: bool = True,
+        num_products: int | None = None,
+        human_goals: bool = False,
+    ) -> "WorldKey":
+        if num_products is not None and num_products < 1:
+            raise ValueError(f"num_products must be positive or None, got {num_products}")
+        return cls(str(resolve_data_dir(data_dir)), bool(use_small), num_products, bool(human_goals))
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    catalog: Catalog
+    goal_set: GoalSet
+    engine: SearchEngine
+
+    @property
+    def goals(self) -> tuple[Goal, ...]:
+        return self.goal_set.goals
+
+
+@functools.cache
+def _catalog(key: WorldKey) -> Catalog:
+    return load_catalog(
+        Path(key.data_dir), use_small=key.use_small, num_products=key.num_products, human_goals=key.human_goals
+    )
+
+
+@functools.cache
+def _goal_set(key: WorldKey) -> GoalSet:
+    return make_goal_set(_catalog(key), human=key.human_goals)
+
+
+@functools.cache
+def load_world(key: WorldKey) -> World:
+    catalog = _catalog(key)
+    return World(catalog, _goal_set(key), SearchEngine(catalog.products))
+
+
+def goal_task(index: int, goal: Goal) -> Task:
+    return Task(env="webshop", key=str(index), task_type=goal.category, description=goal.instruction_text.strip())
+
+
+def load_goals(
+    data_dir: str | os.PathLike | None,
+    split: Split,
+    human_goals: bool = False,
+    *,
+    use_small: bool = True,
+    num_products: int | None = None,
+) -> list[Task]:
+    """The tasks of a split: test = goals 0-499 of the standard shuffle, train = the rest."""
+    goals = _goal_set(WorldKey.make(data_dir, use_small, num_products, human_goals)).goals
+    return [goal_task(i, goals[i]) for i in split_indices(len(goals), split)]
