@@ -24,12 +24,12 @@ from orsd_jax.envs.webshop.goals import (
     split_indices,
     synthetic_goals,
 )
-from orsd_jax.envs.webshop.world import WorldKey, load_goals, load_world
+from orsd_jax.envs.webshop.world import load_goals, load_world
 
 
 @pytest.fixture(scope="module")
 def world(webshop_data):
-    return load_world(WorldKey.make(webshop_data))
+    return load_world(webshop_data)
 
 
 def test_missing_files_are_named_with_how_to_get_them(tmp_path, monkeypatch):
@@ -64,6 +64,9 @@ def test_streaming_reader_across_chunk_boundaries(tmp_path, monkeypatch):
     assert dict(iter_json(path)) == mapping
     path.write_text("[1, 2", encoding="utf-8")
     with pytest.raises(WebShopDataError, match="closing bracket"):
+        list(iter_json(path))
+    path.write_text('[{"a": 1}, {"b": ]', encoding="utf-8")
+    with pytest.raises(WebShopDataError, match="not valid JSON"):
         list(iter_json(path))
 
 

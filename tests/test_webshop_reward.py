@@ -171,3 +171,19 @@ def test_goal_without_options_has_no_option_factor():
     # 1 attribute, price over the bound: (1 + 0) / (1 + 0 + 1).
     assert reward.score == pytest.approx(0.5)
     assert reward.r_option is None and reward.w_option is None
+
+
+def test_trimmed_pipeline_tags_like_the_full_one(webshop_data):
+    """The pipeline runs without NER and lemmatizer (for speed); nouns must not change."""
+    from orsd_jax.envs.webshop.data import load_catalog
+    from orsd_jax.envs.webshop.reward import _spacy_pipeline
+
+    trimmed = _spacy_pipeline()  # imports spaCy (without torch) first
+    import spacy
+
+    assert trimmed.meta["version"] == "3.8.0" and "tagger" in trimmed.pipe_names
+    full = spacy.load(trimmed.path)
+    assert {"ner", "lemmatizer"} <= set(full.pipe_names)
+    titles = [p.title for p in load_catalog(webshop_data, num_products=150).products]
+    for title, doc in zip(titles, full.pipe(titles)):
+        assert title_nouns(title) == tuple(t.text.lower() for t in doc if t.pos_ in ("NOUN", "PROPN"))

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from orsd_jax.envs.webshop.search import B, K1, SEARCH_RETURN_N, analyze, document_text
-from orsd_jax.envs.webshop.world import WorldKey, load_world
+from orsd_jax.envs.webshop.world import load_world
 
 
 @pytest.fixture(scope="module")
 def world(webshop_data):
-    return load_world(WorldKey.make(webshop_data))
+    return load_world(webshop_data)
 
 
 @pytest.fixture(scope="module")

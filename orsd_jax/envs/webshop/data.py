@@ -102,9 +102,9 @@ def iter_json(path: Path) -> Iterator[tuple[Any, Any]]:
                     if end < len(buf) or eof:
                         pos = end
                         return item
-                except json.JSONDecodeError:
+                except json.JSONDecodeError as err:
                     if eof:
-                        raise
+                        raise WebShopDataError(f"{path} is not valid JSON: {err}") from err
                 more = f.read(_CHUNK_CHARS)
                 eof = not more
                 buf, pos = buf[pos:] + more, 0

@@ -38,7 +38,7 @@ from orsd_jax.envs.webshop.pages import (
     sub_page,
 )
 from orsd_jax.envs.webshop.reward import RewardBreakdown, get_reward
-from orsd_jax.envs.webshop.world import World, WorldKey, load_world
+from orsd_jax.envs.webshop.world import World, WorldKey, world_for
 
 DEFAULT_MAX_STEPS = 15
 WIN_REWARD = 10.0
@@ -91,7 +91,7 @@ class WebShopEnv:
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
         self.max_steps = max_steps
         self._key = WorldKey.make(data_dir, use_small, num_products, human_goals)
-        self._world: World = load_world(self._key)
+        self._world: World = world_for(self._key)
         self._goal: Goal | None = None
         self._session = Session()
         self._page: Page | None = None
@@ -104,7 +104,7 @@ class WebShopEnv:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._world = load_world(self._key)
+        self._world = world_for(self._key)
 
     @property
     def world(self) -> World:
@@ -131,7 +131,8 @@ class WebShopEnv:
         self._page = self._render()
         self._steps = 0
         self._done = False
-        return EnvStep(self._page.text, self._page.available_actions, info={"action_valid": True, "page": "start"})
+        info = {"action_valid": True, "page": "start", "truncated": False}
+        return EnvStep(self._page.text, self._page.available_actions, info=info)
 
     def step(self, action: str) -> EnvStep:
         if self._page is None:
