@@ -13,3 +13,7 @@ def webshop_data() -> pathlib.Path:
     if not (path / "items_shuffle_1000.json").exists():
         pytest.fail(f"WebShop data not found at {path}; set WEBSHOP_DATA")
     return path
+
+# Imported models and generated games are cached inside the checkout (ignored by git), so the
+# suite never writes to the user's home and a second run reuses them.
+os.environ.setdefault("ORSD_JAX_CACHE", str(REPO / ".cache"))

@@ -1,0 +1,267 @@
+"""The decoder against transformers' PyTorch models, checkpoints in and out, bad input."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from orsd_jax import chat
+from orsd_jax.models import (
+    EMBEDDED,
+    CausalLM,
+    CheckpointError,
+    KVCache,
+    ModelConfig,
+    UnsupportedModelError,
+    load_hf_params,
+    load_model,
+    save_hf,
+)
+from orsd_jax.models.registry import embedded_gguf_path
+
+TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=3)
+CASES = {
+    # GQA, untied head, head_dim (24) != hidden / heads (16)
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                            tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6)),
+    # GQA, tied embeddings
+    "llama": (LlamaForCausalLM, LlamaConfig(**TINY, num_attention_heads=8, num_key_value_heads=2,
+                                            tie_word_embeddings=True, rope_theta=1e5, rms_norm_eps=1e-5)),
+}
+
+
+def _logits(torch_model, ids, **kwargs) -> np.ndarray:
+    with torch.no_grad():
+        return torch_model(torch.tensor(np.asarray(ids)), **kwargs).logits.numpy()
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def tiny(request, tmp_path_factory):
+    """A tiny random transformers model saved to disk, and our model loaded from it."""
+    cls, config = CASES[request.param]
+    torch.manual_seed(0)
+    reference = cls(config).eval()
+    # Random norms so a norm that is mis-mapped or skipped changes the logits.
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    directory = tmp_path_factory.mktemp(request.param)
+    reference.save_pretrained(directory)
+    return reference, directory, load_hf_params(directory)
+
+
+def test_logits_match_transformers(tiny):
+    reference, _, model = tiny
+    ids = np.random.RandomState(0).randint(0, 160, (3, 17))
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), _logits(reference, ids), atol=1e-4, rtol=0)
+
+
+def test_explicit_positions_match_transformers(tiny):
+    reference, _, model = tiny
+    ids = np.random.RandomState(1).randint(0, 160, (2, 9))
+    positions = np.arange(9)[None] + np.array([[5], [40]])
+    ours = model(jnp.asarray(ids), positions=jnp.asarray(positions))
+    theirs = _logits(reference, ids, position_ids=torch.tensor(positions))
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=0)
+
+
+def test_packed_segments_equal_separate_sequences(tiny):
+    _, _, model = tiny
+    rng = np.random.RandomState(2)
+    a, b = rng.randint(0, 160, 7), rng.randint(0, 160, 5)
+    packed = jnp.asarray(np.concatenate([a, b])[None])
+    positions = jnp.asarray(np.concatenate([np.arange(7), np.arange(5)])[None])
+    segments = jnp.asarray(np.array([1] * 7 + [2] * 5)[None])
+    out = np.asarray(model(packed, positions=positions, segment_ids=segments))[0]
+    np.testing.assert_allclose(out[:7], np.asarray(model(jnp.asarray(a[None])))[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out[7:], np.asarray(model(jnp.asarray(b[None])))[0], atol=1e-5, rtol=0)
+
+
+def test_kv_cache_decoding_equals_full_forward(tiny):
+    _, _, model = tiny
+    ids = jnp.asarray(np.random.RandomState(3).randint(0, 160, (2, 12)))
+    full = np.asarray(model(ids))
+    cache = KVCache.zeros(model.config, 2, 16)
+    hidden, cache = model.hidden_states(ids[:, :8], cache=cache)
+    steps = [np.asarray(model.logits(hidden))]
+    for t in range(8, 12):
+        positions = jnp.full((2, 1), t, jnp.int32)
+        hidden, cache = model.hidden_states(ids[:, t : t + 1], positions, cache=cache)
+        steps.append(np.asarray(model.logits(hidden)))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5, rtol=0)
+
+
+def test_save_hf_round_trip(tiny, tmp_path):
+    reference, _, model = tiny
+    # A small shard limit forces the sharded layout with an index.
+    out = save_hf(model, None, tmp_path / "export", max_shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    reloaded_torch = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = np.random.RandomState(4).randint(0, 160, (2, 10))
+    np.testing.assert_array_equal(_logits(reloaded_torch, ids), _logits(reference, ids))
+    reloaded = load_hf_params(out)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(reloaded))):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+
+
+def test_config_round_trip(tiny):
+    reference, _, model = tiny
+    assert ModelConfig.from_hf_config(model.config.to_hf_config()) == model.config
+    assert ModelConfig.from_hf_config(reference.config) == model.config
+
+
+def _reference_logprobs(model, ids, positions=None, segments=None):
+    logits = model(ids, positions=positions, segment_ids=segments)
+    return np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), np.asarray(ids)[..., None], -1)[..., 0]
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 64])
+def test_chunked_logprobs_equal_log_softmax(tiny, chunk):
+    _, _, model = tiny
+    rng = np.random.RandomState(5)
+    ids = jnp.asarray(rng.randint(0, 160, (2, 13)))
+    segments = jnp.asarray(np.array([[1] * 6 + [2] * 7, [1] * 13]))
+    positions = jnp.asarray(np.array([list(range(6)) + list(range(7)), list(range(3, 16))]))
+    logp, entropy = model.token_logprobs(ids, ids, positions, segments, chunk_size=chunk, with_entropy=True)
+    np.testing.assert_allclose(np.asarray(logp), _reference_logprobs(model, ids, positions, segments), atol=1e-5)
+    probs = jax.nn.softmax(model(ids, positions=positions, segment_ids=segments))
+    expected_entropy = -np.sum(np.asarray(probs) * np.log(np.asarray(probs) + 1e-30), -1)
+    np.testing.assert_allclose(np.asarray(entropy), expected_entropy, atol=1e-4)
+
+
+def test_chunked_logprob_gradients_equal_full(tiny):
+    _, _, model = tiny
+    ids = jnp.asarray(np.random.RandomState(6).randint(0, 160, (2, 9)))
+    graphdef, params = nnx.split(model)
+
+    def chunked(p):
+        return nnx.merge(graphdef, p).token_logprobs(ids, ids, chunk_size=4)[0].sum()
+
+    def full(p):
+        return jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(nnx.merge(graphdef, p)(ids)), ids[..., None], -1))
+
+    for a, b in zip(jax.tree.leaves(jax.grad(chunked)(params)), jax.tree.leaves(jax.grad(full)(params))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+
+
+def test_bfloat16_params_and_compute(tiny):
+    _, directory, model = tiny
+    half = load_hf_params(directory, param_dtype="bfloat16", compute_dtype="bfloat16")
+    assert half.embed[...].dtype == jnp.bfloat16
+    ids = jnp.asarray(np.random.RandomState(7).randint(0, 160, (1, 8)))
+    out = np.asarray(half(ids))
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, np.asarray(model(ids)), atol=0.1)
+
+
+# Bad input: one clear error naming the problem.
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_hf_params(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(str(tmp_path / "nope"))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        load_hf_params(tmp_path)
+
+
+def test_corrupt_safetensors(tiny, tmp_path):
+    _, directory, model = tiny
+    out = save_hf(model, None, tmp_path / "m")
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="corrupt safetensors file .*model.safetensors"):
+        load_hf_params(out)
+
+
+def test_missing_tensor_is_named(tiny, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    _, directory, model = tiny
+    out = save_hf(model, None, tmp_path / "m")
+    tensors = load_file(out / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.layers.1.mlp.up_proj.weight"):
+        load_hf_params(out)
+
+
+def test_hub_name_not_cached_says_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError, match="hf download Qwen/Qwen3-1.7B"):
+        load_model("Qwen/Qwen3-1.7B")
+
+
+# The embedded default: our GGUF import against transformers' own GGUF loading of the same file.
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    model, tokenizer = load_model(EMBEDDED)
+    gguf = embedded_gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    return model, tokenizer, reference
+
+
+def test_embedded_config(embedded):
+    model, tokenizer, _ = embedded
+    c = model.config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert c.tie_word_embeddings and c.vocab_size == 49152 and c.rope_theta == 1e5
+    assert tokenizer.decode([c.eos_token_id]) == "<|im_end|>"
+
+
+def test_embedded_matches_transformers_gguf_loading(embedded):
+    model, tokenizer, reference = embedded
+    fmt = chat.chat_format(tokenizer)
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits."]
+    for text in prompts:
+        ids = chat.prompt_ids(fmt, tokenizer, text)
+        np.testing.assert_allclose(np.asarray(model(jnp.asarray([ids]))), _logits(reference, [ids]), atol=1e-3, rtol=0)
+    # Greedy continuation of 32 tokens, ours with the KV cache (jitted: prefill, then one token a step).
+    ids = chat.prompt_ids(fmt, tokenizer, "Write a short story about a cat who learns to fly.")
+    expected = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, tokens, positions, cache):
+        m = nnx.merge(graphdef, state)
+        hidden, cache = m.hidden_states(tokens, positions, cache=cache)
+        return jnp.argmax(m.logits(hidden[:, -1]), axis=-1), cache
+
+    cache = KVCache.zeros(model.config, 1, len(ids) + 32)
+    token, cache = step(state, jnp.asarray([ids]), jnp.arange(len(ids))[None], cache)
+    out = [int(token[0])]
+    while len(out) < 32 and out[-1] not in chat.stop_token_ids(tokenizer):
+        token, cache = step(state, token[:, None], jnp.asarray([[len(ids) + len(out) - 1]]), cache)
+        out.append(int(token[0]))
+    assert len(expected) == 32 and out == expected
+
+
+def test_chat_prompt_ids_match_template_and_share_prefix(embedded):
+    _, tokenizer, _ = embedded
+    fmt = chat.chat_format(tokenizer)
+    text = "You are in a room. Your task is to: put a mug on the desk."
+    without = chat.prompt_ids(fmt, tokenizer, text)
+    with_insert = chat.prompt_ids(fmt, tokenizer, text, insert="\n\nCriteria: 1. be quick")
+    template = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    template = template["input_ids"] if isinstance(template, dict) or hasattr(template, "keys") else template
+    assert without == list(template)
+    shared = len(without) - len(fmt.tail)
+    assert with_insert[:shared] == without[:shared] and with_insert[-len(fmt.tail):] == list(fmt.tail)
+    assert tokenizer.decode(with_insert).endswith("be quick<|im_end|>\n<|im_start|>assistant\n")
+    assert fmt.stop_token_ids[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
