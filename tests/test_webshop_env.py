@@ -46,7 +46,8 @@ def test_results_pages_and_paging(env, tasks):
     assert len(hits) == 50
     first = env.step("search[Pillow Cover]")
     assert first.observation == (
-        f"{header(tasks[0])}Back to Search [SEP] Page 1 (Total results: 50) [SEP] Next > [SEP] {listing(env, hits[:10])}"
+        f"{header(tasks[0])}Back to Search [SEP] Page 1 (Total results: 50) [SEP] Next > [SEP] "
+        f"{listing(env, hits[:10])}"
     )
     assert first.admissible_actions == ("click[back to search]", "click[next >]") + tuple(
         f"click[{a.lower()}]" for a in hits[:10]
@@ -66,7 +67,9 @@ def test_next_is_offered_past_the_last_page(env, tasks):
     assert len(hits) == 3
     env.step("search[zebra]")
     past = env.step("click[next >]")
-    assert past.observation == f"{header(tasks[0])}Back to Search [SEP] Page 2 (Total results: 3) [SEP] < Prev [SEP] Next >"
+    assert past.observation == (
+        f"{header(tasks[0])}Back to Search [SEP] Page 2 (Total results: 3) [SEP] < Prev [SEP] Next >"
+    )
     assert past.admissible_actions == ("click[back to search]", "click[< prev]", "click[next >]")
 
 

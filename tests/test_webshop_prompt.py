@@ -5,7 +5,10 @@ from orsd_jax.envs.webshop.prompts import MAX_PROMPT_CHARS, build_prompt, format
 
 TASK = "Find me a red mug, and price lower than 20.00 dollars"
 START = f"WebShop [SEP] Instruction: [SEP] {TASK} [SEP] Search"
-RESULTS = f"Instruction: [SEP] {TASK} [SEP] Back to Search [SEP] Page 1 (Total results: 2) [SEP] Next > [SEP] B01 [SEP] Red Mug [SEP] $9.99"
+RESULTS = (
+    f"Instruction: [SEP] {TASK} [SEP] Back to Search [SEP] Page 1 (Total results: 2) [SEP] Next > [SEP] "
+    "B01 [SEP] Red Mug [SEP] $9.99"
+)
 ITEM = f"Instruction: [SEP] {TASK} [SEP] Back to Search [SEP] < Prev [SEP] Red Mug [SEP] Price: $9.99"
 ACTIONS = ("click[back to search]", "click[next >]", "click[b01]")
 

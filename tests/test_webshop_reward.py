@@ -147,7 +147,9 @@ def test_type_factor_with_the_spacy_pipeline():
 
 
 def test_exact_product_scores_one_and_breakdown_is_complete():
-    goal = dataclasses.replace(GOAL, name=PRODUCT.title, attributes=("tea tree", "sulfate free"), goal_options=(("size", "large"),))
+    goal = dataclasses.replace(
+        GOAL, name=PRODUCT.title, attributes=("tea tree", "sulfate free"), goal_options=(("size", "large"),)
+    )
     reward = get_reward(PRODUCT, goal, 12.0, {"size": "large"})
     assert reward.score == 1.0
     assert reward.as_dict() == {

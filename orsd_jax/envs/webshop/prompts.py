@@ -38,7 +38,8 @@ The actions available on this page:
 
 _WITH_HISTORY = """You are a skilled shopping assistant browsing the WebShop online store.
 Your task: {task}.
-You have taken {step_count} step(s) so far. Here are the last {history_length} pages you saw, each with the action you took on it: {history}
+You have taken {step_count} step(s) so far. \
+Here are the last {history_length} pages you saw, each with the action you took on it: {history}
 This is step {current_step}. The page you are looking at: {observation}.
 The actions available on this page:
 [

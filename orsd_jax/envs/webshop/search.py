@@ -64,8 +64,14 @@ class SearchEngine:
         self.asins = tuple(p.asin for p in products)
         # Rank of each document's ASIN in string order: Lucene breaks score ties by document id.
         self._asin_rank = np.argsort(np.argsort(np.array(self.asins)))
+        # Documents as int32 term-id arrays: lists of strings would not fit the full catalog.
+        vocab: dict[str, int] = {}
+        docs = [
+            np.fromiter((vocab.setdefault(t, len(vocab)) for t in analyze(document_text(p))), dtype=np.int32)
+            for p in products
+        ]
         self._bm25 = import_without("bm25s", "jax").BM25(k1=K1, b=B, method="lucene", idf_method="lucene")
-        self._bm25.index([analyze(document_text(p)) for p in products], show_progress=False)
+        self._bm25.index((docs, vocab), show_progress=False)
 
     def scores(self, query: str) -> np.ndarray:
         """BM25 score of every document for ``query`` (zeros when no term is known)."""
