@@ -1,0 +1,136 @@
+"""ALFWorld splits on disk: collected with the official loader's rules, or generated once and cached.
+
+A data root holds ``json_2.1.1/{train,valid_seen,valid_unseen}`` (what ``alfworld-download`` puts
+in ``$ALFWORLD_DATA``, or what ``generate`` writes). ``load_split`` keeps a game when, as in
+``AlfredTWEnv.collect_game_files``, its path has no ``movable`` or ``Sliced``, its
+``traj_data.json`` names one of the six task types, and its ``game.tw-pddl`` says ``solvable``.
+Unlike the official loader (which walks in file-system order) the result is sorted by path, and
+the ``movable``/``Sliced`` test looks only below the split directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from orsd_jax.envs.alfworld.difficulty import Difficulty, get_difficulty
+from orsd_jax.envs.alfworld.generate import GENERATOR_VERSION, SPLITS, generate
+from orsd_jax.envs.alfworld.tasks import SHORT_NAMES
+from orsd_jax.envs.base import Task
+
+SPLIT_ALIASES = {"eval_in_distribution": "valid_seen", "eval_out_of_distribution": "valid_unseen"}
+DEFAULT_TRAIN_GAMES = 200
+DEFAULT_EVAL_GAMES = 50
+_TASK_RULE = re.compile(r'"rhs": "Your task is to: (.*)\."')
+_COMPLETE = "complete.json"  # written last into a generated root before it is renamed into place
+
+
+class GameDataError(ValueError):
+    """A data directory that is missing, empty or malformed."""
+
+
+def split_dir(data_dir: str | os.PathLike, split: str) -> Path:
+    name = SPLIT_ALIASES.get(split, split)
+    if name not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS} or {tuple(SPLIT_ALIASES)}")
+    root = Path(data_dir).expanduser()
+    if not root.is_dir():
+        raise GameDataError(f"ALFWorld data directory {root} does not exist")
+    path = root / "json_2.1.1" / name
+    if not path.is_dir():
+        raise GameDataError(
+            f"{path} is missing: an ALFWorld data root holds json_2.1.1/{{{','.join(SPLITS)}}} "
+            "(set ALFWORLD_DATA, or generate games with python -m orsd_jax.envs.alfworld.generate)"
+        )
+    return path
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise GameDataError(f"cannot read {path}: {err}") from err
+    if not isinstance(data, dict):
+        raise GameDataError(f"{path} does not hold a JSON object")
+    return data
+
+
+def task_sentence(game: dict, path: Path) -> str:
+    """The goal text the game's grammar prints after "Your task is to: "."""
+    match = _TASK_RULE.search(str(game.get("grammar", "")))
+    if match is None:
+        raise GameDataError(f"{path} has no task sentence in its grammar")
+    return match.group(1)
+
+
+def load_split(data_dir: str | os.PathLike, split: str) -> list[Task]:
+    """The playable games of a split, sorted by path (the order of a deterministic sweep)."""
+    path = split_dir(data_dir, split)
+    tasks = []
+    for root, _, files in os.walk(path):
+        if "traj_data.json" not in files:
+            continue
+        relative = os.path.relpath(root, path)
+        if "movable" in relative or "Sliced" in relative:
+            continue
+        traj_data = _read_json(Path(root) / "traj_data.json")
+        task_type = SHORT_NAMES.get(traj_data.get("task_type"))
+        game_path = Path(root) / "game.tw-pddl"
+        if task_type is None or not game_path.is_file():
+            continue
+        game = _read_json(game_path)
+        if game.get("solvable") is True:
+            tasks.append(Task("alfworld", str(game_path), task_type, task_sentence(game, game_path)))
+    if not tasks:
+        raise GameDataError(f"no playable ALFWorld games under {path}")
+    return sorted(tasks, key=lambda t: t.key)
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """``cache_dir``, else ``$ORSD_JAX_CACHE``, else ``~/.cache/orsd_jax``."""
+    return Path(cache_dir or os.environ.get("ORSD_JAX_CACHE") or Path.home() / ".cache" / "orsd_jax").expanduser()
+
+
+def default_games(
+    difficulty: str | Difficulty = "easy",
+    seed: int = 0,
+    n_train: int = DEFAULT_TRAIN_GAMES,
+    n_eval: int = DEFAULT_EVAL_GAMES,
+    cache_dir: str | os.PathLike | None = None,
+    workers: int | None = None,
+) -> Path:
+    """A data root with all three splits: ``$ALFWORLD_DATA`` when set, else games generated
+    once into the user cache (``n_eval`` each for valid_seen and valid_unseen) and reused."""
+    if os.environ.get("ALFWORLD_DATA"):
+        root = Path(os.environ["ALFWORLD_DATA"]).expanduser()
+        for split in SPLITS:
+            split_dir(root, split)
+        return root
+    difficulty = get_difficulty(difficulty)
+    settings = hashlib.sha256(json.dumps(dataclasses.asdict(difficulty), sort_keys=True).encode()).hexdigest()[:8]
+    name = f"{difficulty.name}-seed{seed}-train{n_train}-eval{n_eval}-v{GENERATOR_VERSION}-{settings}"
+    base = cache_root(cache_dir) / "alfworld"
+    target = base / name
+    if (target / _COMPLETE).is_file():
+        return target
+    if target.exists():
+        raise GameDataError(f"{target} exists but is not a complete generated set; delete it to regenerate")
+    base.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=base))
+    try:
+        generate(scratch, {"train": n_train, "valid_seen": n_eval, "valid_unseen": n_eval}, seed, difficulty, workers)
+        (scratch / _COMPLETE).write_text(json.dumps({"version": GENERATOR_VERSION, "name": name}))
+        try:
+            os.rename(scratch, target)  # atomic: readers see no set or a complete one
+        except OSError:
+            if not (target / _COMPLETE).is_file():  # not another process finishing first
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
