@@ -4,7 +4,7 @@ The rule follows verl-agent's projection (facts, not code): the response is lowe
 action is the text between the first ``<action>`` and the first ``</action>`` after it, and the
 format is valid only if both action tags and both think tags are present and the text has no
 CJK characters. We add what verl-agent leaves out: an action is *valid* only when it is also
-admissible. Without action tags, ``action`` is None and the rollout sends the environment an empty command,
+admissible (an admissible entry like ``search[<your query>]`` admits any non-empty query). Without action tags, ``action`` is None and the rollout sends the environment an empty command,
 a no-op that still counts toward the step limit. This function never raises.
 """
 
@@ -16,6 +16,7 @@ from typing import Sequence
 
 _CJK = re.compile(r"[\u4e00-\u9fff\u3400-\u4dbf\uf900-\ufaff\u3040-\u30ff\uac00-\ud7af]")
 _SPACES = re.compile(r"\s+")
+_PLACEHOLDER = re.compile(r"(\w+)\[<[^>]*>\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,15 @@ class ParsedAction:
 
 def _normalise(text: str) -> str:
     return _SPACES.sub(" ", text).strip().strip("'\"`").strip()
+
+
+def _matches(action: str, admissible: str) -> bool:
+    """Equality, or a filled placeholder: ``search[red mug]`` matches ``search[<your query>]``."""
+    placeholder = _PLACEHOLDER.fullmatch(admissible)
+    if placeholder is None:
+        return action == admissible
+    prefix = placeholder.group(1)
+    return action.startswith(prefix + "[") and action.endswith("]") and len(action) > len(prefix) + 2
 
 
 def parse_action(response: str, admissible_actions: Sequence[str]) -> ParsedAction:
@@ -54,6 +64,6 @@ def parse_action(response: str, admissible_actions: Sequence[str]) -> ParsedActi
         format_error = "contains CJK characters"
     else:
         format_error = ""
-    admissible = action in {_normalise(a.lower()) for a in admissible_actions}
+    admissible = any(_matches(action, _normalise(a.lower())) for a in admissible_actions)
     reason = format_error or ("" if admissible else "action is not admissible")
     return ParsedAction(action, not format_error, admissible, reason)

@@ -27,9 +27,9 @@ class EnvStep:
 
     ``observation`` is the raw text the environment returned for this transition (the GiGPO
     anchor state); ``admissible_actions`` are the commands the prompt lists.
-    ``reward`` is the environment's reward for this transition (ALFWorld: 10 on the winning step;
-    WebShop: the purchase score at ``buy now``); ``score`` the task score so far in [0, 1];
-    ``won`` the task's success flag.
+    ``reward`` is the training reward of this transition as verl-agent defines it (10 on the step
+    that wins the task, else 0); ``score`` the task score so far in [0, 1] (ALFWorld: won;
+    WebShop: the purchase reward); ``won`` the task's success flag.
     """
 
     observation: str
