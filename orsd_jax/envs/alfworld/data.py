@@ -97,6 +97,13 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(cache_dir or os.environ.get("ORSD_JAX_CACHE") or Path.home() / ".cache" / "orsd_jax").expanduser()
 
 
+def cache_name(difficulty: Difficulty, seed: int, n_train: int, n_eval: int) -> str:
+    """``<difficulty>-seed<seed>-train<n>-eval<n>-v<generator version>-<digest of the settings>``."""
+    settings = json.dumps(dataclasses.asdict(difficulty), sort_keys=True).encode()
+    digest = hashlib.sha256(settings).hexdigest()[:8]
+    return f"{difficulty.name}-seed{seed}-train{n_train}-eval{n_eval}-v{GENERATOR_VERSION}-{digest}"
+
+
 def default_games(
     difficulty: str | Difficulty = "easy",
     seed: int = 0,
@@ -113,8 +120,7 @@ def default_games(
             split_dir(root, split)
         return root
     difficulty = get_difficulty(difficulty)
-    settings = hashlib.sha256(json.dumps(dataclasses.asdict(difficulty), sort_keys=True).encode()).hexdigest()[:8]
-    name = f"{difficulty.name}-seed{seed}-train{n_train}-eval{n_eval}-v{GENERATOR_VERSION}-{settings}"
+    name = cache_name(difficulty, seed, n_train, n_eval)
     base = cache_root(cache_dir) / "alfworld"
     target = base / name
     if (target / _COMPLETE).is_file():

@@ -55,14 +55,15 @@ def build_prompt(
         )
     shown = list(history)[max(0, len(history) - history_length) :] if history_length else []
     first = step_count - len(shown) + 1
-    past = "\n".join(
-        f"[Observation {first + k}: '{seen}', Action {first + k}: '{action}']" for k, (seen, action) in enumerate(shown)
+    past = "".join(
+        f"\n[Observation {first + k}: '{seen}', Action {first + k}: '{action}']" for k, (seen, action) in enumerate(shown)
     )
+    if shown:
+        past = f" Your last {len(shown)} observation(s) and the action taken after each:{past}"
     return (
         f"{_ROLE}\n"
         f"Your task is to: {task_description}\n"
-        f"You have taken {step_count} step(s) so far. Your last {len(shown)} observation(s) and the action taken "
-        f"after each:\n{past}\n"
+        f"You have taken {step_count} step(s) so far.{past}\n"
         f"Now, at step {step_count + 1}, this is what you see: {observation}\n"
         f"The admissible actions are:\n [{_action_list(admissible_actions)}].\n"
         f"{_ANSWER_FORMAT}"
