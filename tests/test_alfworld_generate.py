@@ -3,6 +3,7 @@ its own Fast Downward planner on the full game, the official ``AlfredTWEnv`` col
 ALFRED's own scene split."""
 
 import filecmp
+import importlib.resources
 import json
 import random
 import statistics
@@ -14,8 +15,10 @@ from alfworld.gen import constants
 
 from orsd_jax.envs.alfworld import EASY, STANDARD, TASK_TYPES, Difficulty, generate, get_difficulty, load_split
 from orsd_jax.envs.alfworld.engine import NOTHING_HAPPENS, make_engine
-from orsd_jax.envs.alfworld.generate import main, task_type_plan
+from orsd_jax.envs.alfworld.generate import main
+from orsd_jax.envs.alfworld.generation import task_type_plan
 from orsd_jax.envs.alfworld.sampling import is_unseen_pair
+from orsd_jax.envs.alfworld.scenes import load_scene, receptacle_class
 
 SEEDS = (0, 1, 2)
 UNIFORM_EASY = Difficulty("easy-uniform", (3, 5), (0, 2), (1, 1), "visible", False, (1,) * 6)
@@ -145,6 +148,20 @@ def test_easy_games_are_short_and_standard_games_longer(tmp_path):
     assert lengths["standard"] > lengths["easy"]
     assert max(receptacles["easy"]) <= EASY.receptacles[1]
     assert statistics.mean(receptacles["standard"]) > 2 * statistics.mean(receptacles["easy"])
+
+
+def test_scenes_come_from_the_package_tables():
+    """Every scene keeps the receptacles the package lists for it, each at a location of its own."""
+    layouts = importlib.resources.files("alfworld.gen") / "layouts"
+    for number in constants.SCENE_NUMBERS:
+        scene = load_scene(number)
+        listed = json.loads((layouts / f"FloorPlan{number}-objects.json").read_text())
+        posed = json.loads((layouts / f"FloorPlan{number}-openable.json").read_text())
+        ids = {r.thor_id for r in scene.receptacles}
+        assert {i for i in posed if receptacle_class(i) in constants.VAL_RECEPTACLE_OBJECTS} <= ids
+        assert {r.cls for r in scene.receptacles} <= set(constants.VAL_RECEPTACLE_OBJECTS)
+        assert set(scene.object_classes) <= set(listed)
+        assert len({r.pose for r in scene.receptacles}) == len(scene.receptacles)
 
 
 def test_task_type_plan_follows_the_weights():

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from orsd_jax.envs.alfworld.difficulty import Difficulty, get_difficulty
-from orsd_jax.envs.alfworld.generate import GENERATOR_VERSION, SPLITS, generate
+from orsd_jax.envs.alfworld.generation import GENERATOR_VERSION, SPLITS, generate
 from orsd_jax.envs.alfworld.tasks import SHORT_NAMES
 from orsd_jax.envs.base import Task
 

@@ -42,17 +42,8 @@ def _location(pose: tuple[int, int, int, int]) -> str:
 
 
 def _locations(spec: GameSpec) -> dict[str, str]:
-    """Receptacle id -> location name, distinct for every receptacle (shared poses are nudged
-    along the horizon) so that "go to X" always means one receptacle."""
-    used = {spec.start_pose}
-    out = {}
-    for r in spec.receptacles:
-        x, z, rot, hor = r.pose
-        while (x, z, rot, hor) in used:
-            hor += 1
-        used.add((x, z, rot, hor))
-        out[r.thor_id] = _location((x, z, rot, hor))
-    return out
+    """Receptacle id -> location name (scenes give every receptacle a pose of its own)."""
+    return {r.thor_id: _location(r.pose) for r in spec.receptacles}
 
 
 def declarations(spec: GameSpec) -> list[tuple[str, str]]:

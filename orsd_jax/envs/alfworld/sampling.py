@@ -104,9 +104,7 @@ def _sources(scene_number: int, task_type: str, obj: str, target: str, placement
 def _targets(scene_number: int, task_type: str, obj: str, closed_goal: bool) -> list[str]:
     scene = load_scene(scene_number)
     if task_type == "look":
-        return [
-            lamp for lamp in scene.lamp_classes if scene.receptacle_classes & set(LAMP_HOLDERS[lamp])
-        ]
+        return [lamp for lamp in scene.lamp_classes if scene.receptacle_classes & set(LAMP_HOLDERS[lamp])]
     return sorted(
         cls
         for cls in scene.receptacle_classes
@@ -118,10 +116,10 @@ def _targets(scene_number: int, task_type: str, obj: str, closed_goal: bool) -> 
 def task_choices(task_type: str, unseen: bool, difficulty: Difficulty) -> tuple[tuple[int, str, str], ...]:
     """Every (scene, object class, target class) this split can ask for, in a fixed order."""
     rooms = constants.GOALS_VALID[OFFICIAL_NAMES[task_type]]
+    tool = TOOLS.get(task_type)
     choices = []
     for number in scene_numbers(unseen):
         scene = load_scene(number)
-        tool = TOOLS.get(task_type)
         if scene.room_type not in rooms or (tool and tool not in scene.receptacle_classes):
             continue
         for obj in scene.object_classes:

@@ -90,6 +90,19 @@ def _synthesised_receptacle(scene_number: int, cls: str) -> Receptacle:
     return Receptacle(thor_id, cls, pose)
 
 
+def _distinct_poses(receptacles: list[Receptacle]) -> tuple[Receptacle, ...]:
+    """One location per receptacle, so that "go to X" always means one receptacle: a pose
+    shared with an earlier receptacle is nudged along the camera horizon."""
+    used, out = set(), []
+    for r in receptacles:
+        x, z, rotation, horizon = r.pose
+        while (x, z, rotation, horizon) in used:
+            horizon += 1
+        used.add((x, z, rotation, horizon))
+        out.append(dataclasses.replace(r, pose=(x, z, rotation, horizon)))
+    return tuple(out)
+
+
 def _read_layout(scene_number: int, kind: str):
     path = importlib.resources.files("alfworld.gen") / "layouts" / f"FloorPlan{scene_number}-{kind}.json"
     return json.loads(path.read_text())
@@ -110,7 +123,7 @@ def load_scene(scene_number: int) -> Scene:
     return Scene(
         number=scene_number,
         room_type=room_type(scene_number),
-        receptacles=tuple(sorted(receptacles, key=lambda r: r.thor_id)),
+        receptacles=_distinct_poses(sorted(receptacles, key=lambda r: r.thor_id)),
         object_classes=tuple(sorted(classes & PICKUPABLE_CLASSES)),
         lamp_classes=tuple(sorted(classes & set(LAMP_CLASSES))),
     )
