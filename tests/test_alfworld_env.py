@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from orsd_jax.envs import EnvPool, EnvWorkerError, Task, parse_action
-from orsd_jax.envs.alfworld import EASY, AlfworldEnv, build_prompt, generate, load_split
+from orsd_jax.envs.alfworld import EASY, AlfworldEnv, GameDataError, build_prompt, generate, load_split
 from orsd_jax.envs.alfworld.engine import NOTHING_HAPPENS
 
 
@@ -66,7 +66,7 @@ def test_unparsed_answers_are_no_ops_that_use_up_steps(tasks):
     assert env.step(walk[0]).observation != NOTHING_HAPPENS
 
 
-def test_misuse_gives_clear_errors(tasks):
+def test_misuse_gives_clear_errors(tasks, tmp_path):
     with pytest.raises(RuntimeError, match="before reset"):
         AlfworldEnv().step("look")
     with pytest.raises(ValueError, match="max_steps"):
@@ -77,8 +77,13 @@ def test_misuse_gives_clear_errors(tasks):
     env.reset(tasks[0])
     with pytest.raises(TypeError, match="string"):
         env.step(None)
-    with pytest.raises(OSError):
+    with pytest.raises(GameDataError, match="/nonexistent/game.tw-pddl"):
         env.reset(Task("alfworld", "/nonexistent/game.tw-pddl", "pick", "nothing"))
+    broken = tmp_path / "game.tw-pddl"
+    broken.write_text("{")
+    with pytest.raises(GameDataError, match=str(broken)):
+        env.reset(Task("alfworld", str(broken), "pick", "nothing"))
+    assert env.reset(tasks[0]).observation.startswith("-= Welcome")  # still usable
 
 
 def test_pickles_for_spawned_workers(tasks):

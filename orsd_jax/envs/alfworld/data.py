@@ -79,8 +79,8 @@ def load_split(data_dir: str | os.PathLike, split: str) -> list[Task]:
         relative = os.path.relpath(root, path)
         if "movable" in relative or "Sliced" in relative:
             continue
-        traj_data = _read_json(Path(root) / "traj_data.json")
-        task_type = SHORT_NAMES.get(traj_data.get("task_type"))
+        official = _read_json(Path(root) / "traj_data.json").get("task_type")
+        task_type = SHORT_NAMES.get(official) if isinstance(official, str) else None
         game_path = Path(root) / "game.tw-pddl"
         if task_type is None or not game_path.is_file():
             continue

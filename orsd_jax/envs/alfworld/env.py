@@ -8,6 +8,7 @@ and which still uses up a step, as TextWorld's step limit counts it.
 
 from __future__ import annotations
 
+from orsd_jax.envs.alfworld.data import GameDataError
 from orsd_jax.envs.alfworld.engine import make_engine
 from orsd_jax.envs.base import EnvStep, Task
 
@@ -45,7 +46,10 @@ class AlfworldEnv:
             self._engine = make_engine()
         if task.key != self._loaded:
             self._loaded = None  # a failed load must not look like a loaded game
-            self._engine.load(task.key)
+            try:
+                self._engine.load(task.key)
+            except (OSError, ValueError, KeyError) as err:
+                raise GameDataError(f"cannot load the ALFWorld game {task.key}: {err!r}") from err
             self._loaded = task.key
         state = self._engine.reset()
         self._task, self._steps, self._done = task, 0, False
