@@ -119,6 +119,8 @@ def test_stop_tokens_and_strings(tiny):
     cut = sampler.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=20, stop=(stop_string,)))[0]
     assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(stop_string)]
     assert cut.token_ids == free.token_ids[: free.text.index(stop_string) + 2]
+    kept = sampler.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=20, stop=(stop_string,), include_stop=True))[0]
+    assert kept.text == free.text[: free.text.index(stop_string) + 2] and kept.token_ids == cut.token_ids
 
 
 def test_context_limit_clamps_new_tokens(tiny):

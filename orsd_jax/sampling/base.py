@@ -22,7 +22,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1: no limit
     max_new_tokens: int = 256
-    stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
+    stop: tuple[str, ...] = ()  # stop strings; the text is cut before them unless include_stop
+    include_stop: bool = False  # keep the stop string at the end of the text
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these
     seed: int | None = None
     n: int = 1  # samples per prompt

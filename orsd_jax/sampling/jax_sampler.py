@@ -5,7 +5,7 @@ slots are overwritten by its own decoded tokens before any query can see them. B
 prompt length and cache length are rounded up to buckets so a run compiles a bounded number
 of programs. The whole decode loop is one ``lax.while_loop`` that stops when every row is done.
 Stop strings are applied on the host afterwards (tokens up to the one completing the string
-are kept, the text is cut before it, as vLLM reports them).
+are kept, the text is cut before it or after it with ``include_stop``, as vLLM reports them).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class JaxSampler:
                 end = min(i + len(s) for i, s in hits)
                 k = next(k for k in range(1, len(ids) + 1) if len(chat.decode(self.tokenizer, ids[:k])) >= end)
                 ids, logp, finish = ids[:k], logp[:k], "stop"
-                text = text[: min(i for i, _ in hits)]
+                text = text[:end] if params.include_stop else text[: min(i for i, _ in hits)]
         return Completion(tuple(ids), tuple(logp), text, finish, self.weight_version)
 
 

@@ -1,0 +1,89 @@
+"""Online rubric writing by the current policy, and the rubric the policy then reads.
+
+The policy sees the task and its group's ``G`` trajectories (no rewards, see ``render``) and is
+sampled ``K`` times for a list of 5-8 process criteria. One sampler call serves every group.
+The chosen bundle goes back into each step prompt as ``rubric_insert`` text at the end of the
+user turn (see ``orsd_jax.chat``). Both texts are versioned: change a word, bump the version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from orsd_jax import chat
+from orsd_jax.rollout import Group
+from orsd_jax.rubrics.parse import ParsedBundle, parse_bundle
+from orsd_jax.rubrics.render import render_group
+from orsd_jax.sampling.base import Sampler, SamplingParams
+
+RUBRIC_PROMPT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RubricConfig:
+    candidates: int = 4  # K bundles sampled per group
+    trajectory_budget_tokens: int = 300  # each trajectory cut to this in the rubric prompt
+    max_prompt_tokens: int = 6000
+    max_new_tokens: int = 400
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+def rubric_prompt(task: str, attempts: str, n_attempts: int) -> str:
+    return (
+        f"Several attempts by an agent at the same task are shown below.\n"
+        f"Task: {task}\n\n{attempts}\n\n"
+        f"Compare the {n_attempts} attempts and write between 5 and 8 criteria about the process "
+        "(which actions were chosen, in what order, what was checked or repeated) that separate "
+        "better attempts from worse ones. Each criterion is one sentence that can be answered "
+        "yes or no for any attempt. Write them as a numbered list, one per line, and nothing else."
+    )
+
+
+def rubric_insert(criteria: Sequence[str]) -> str:
+    """The text appended to a step's user message when the policy reads the rubric."""
+    numbered = "\n".join(f"{k}. {c}" for k, c in enumerate(criteria, start=1))
+    return f"\n\nA good attempt at this task satisfies these criteria:\n{numbered}"
+
+
+def generate_bundles(
+    sampler: Sampler,
+    groups: Sequence[Group],
+    config: RubricConfig,
+    seed: int,
+    *,
+    tokenizer,
+    fmt: chat.ChatFormat,
+) -> list[tuple[ParsedBundle, ...]]:
+    """``K`` parsed bundles per group (valid or not), in one sampler call."""
+
+    def count_tokens(text: str) -> int:
+        return len(chat.encode(tokenizer, text))
+
+    prompts = []
+    for group in groups:
+        budget = config.trajectory_budget_tokens
+        while True:
+            attempts = render_group(group.trajectories, budget, count_tokens)
+            ids = chat.prompt_ids(fmt, tokenizer, rubric_prompt(group.task.description, attempts, len(group.trajectories)))
+            if len(ids) <= config.max_prompt_tokens:
+                break
+            if budget <= 16:
+                raise ValueError(
+                    f"the rubric prompt for {group.task.key} needs {len(ids)} tokens even with "
+                    f"{budget}-token trajectories; raise RubricConfig.max_prompt_tokens"
+                )
+            budget //= 2  # shorter renderings until the whole group fits
+        prompts.append(ids)
+    params = SamplingParams(
+        temperature=config.temperature,
+        top_p=config.top_p,
+        max_new_tokens=config.max_new_tokens,
+        stop_token_ids=fmt.stop_token_ids,
+        seed=seed,
+        n=config.candidates,
+    )
+    completions = sampler.generate(prompts, params)
+    k = config.candidates
+    return [tuple(parse_bundle(c.text) for c in completions[g * k : (g + 1) * k]) for g in range(len(groups))]

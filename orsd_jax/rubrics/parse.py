@@ -1,0 +1,87 @@
+"""Reading a rubric bundle out of free model text. Never raises.
+
+Accepted shapes: a JSON array (of strings, or of objects with a ``criterion``/``text``/
+``description`` string), a JSON object holding such an array or mapping numbers to strings,
+or a numbered or bulleted list
+(``1.``, ``1)``, ``(1)``, ``-``, ``*``, ``•``). A ``<think>`` block is ignored. Items are cleaned
+(markdown emphasis, ``Criterion 3:`` labels, whitespace), items of fewer than 3 words or more
+than 60 are dropped, and duplicates (same words ignoring case and punctuation) are kept once.
+A bundle is valid with 5 to 8 criteria after cleaning; otherwise it is rejected with a reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+MIN_CRITERIA, MAX_CRITERIA = 5, 8
+_THINK = re.compile(r"<think>.*?(</think>|$)", re.S | re.I)
+_ITEM = re.compile(r"^\s*(?:\d{1,2}\s*[.):]|\(\d{1,2}\)|[-*\u2022])\s+(.+?)\s*$")
+_LABEL = re.compile(r"^(?:criterion|criteria|rubric)\s*\d*\s*[:.)-]\s*", re.I)
+_EMPHASIS = re.compile(r"[*_`]{1,3}")
+_TEXT_KEYS = ("criterion", "text", "description", "content", "name")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedBundle:
+    criteria: tuple[str, ...]  # cleaned, de-duplicated; empty when nothing was found
+    reason: str  # "" when valid
+
+    @property
+    def valid(self) -> bool:
+        return not self.reason
+
+
+def _json_items(text: str) -> list[str] | None:
+    """Strings of the first JSON array (or object holding one) in ``text``; None if there is none."""
+    decoder = json.JSONDecoder()
+    for start in (m.start() for m in re.finditer(r"[\[{]", text)):
+        try:
+            value, _ = decoder.raw_decode(text[start:])
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):  # {"criteria": [...]} or {"1": "...", "2": "..."}
+            lists = [v for v in value.values() if isinstance(v, list)]
+            numbered = [v for k, v in value.items() if re.sub(r"\D", "", k) and isinstance(v, str)]
+            value = lists[0] if lists else numbered or None
+        if not isinstance(value, list):
+            continue
+        items = []
+        for item in value:
+            if isinstance(item, dict):
+                item = next((item[k] for k in _TEXT_KEYS if isinstance(item.get(k), str)), None)
+            if isinstance(item, str):
+                items.append(item)
+        return items
+    return None
+
+
+def _clean(item: str) -> str:
+    item = _EMPHASIS.sub("", item)
+    item = _LABEL.sub("", item.strip())
+    return " ".join(item.split()).strip(" \"'")
+
+
+def _key(item: str) -> str:
+    return " ".join(re.sub(r"[^a-z0-9 ]+", " ", item.lower()).split())
+
+
+def parse_bundle(text: str) -> ParsedBundle:
+    if not isinstance(text, str) or not text.strip():
+        return ParsedBundle((), "empty output")
+    text = _THINK.sub("", text)
+    items = _json_items(text)
+    if items is None:
+        items = [m.group(1) for line in text.splitlines() if (m := _ITEM.match(line))]
+    criteria, seen = [], set()
+    for item in map(_clean, items):
+        words = len(re.findall(r"\w+", item))
+        if 3 <= words <= 60 and _key(item) not in seen:
+            seen.add(_key(item))
+            criteria.append(item)
+    if not criteria:
+        return ParsedBundle((), "no list of criteria found")
+    if not MIN_CRITERIA <= len(criteria) <= MAX_CRITERIA:
+        return ParsedBundle(tuple(criteria), f"{len(criteria)} criteria; a bundle needs {MIN_CRITERIA}-{MAX_CRITERIA}")
+    return ParsedBundle(tuple(criteria), "")

@@ -1,0 +1,51 @@
+"""Trajectories as compact text, for the rubric writer and for the verifier.
+
+A trajectory is shown as the observations the agent acted on and the actions it took, step by
+step. The observation that follows the last action is never shown, and neither are rewards: the
+rubric writer must not see outcomes (WebShop's final page even prints the score). A trajectory
+over its token budget keeps its first and last steps and says how many were left out between.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from orsd_jax.rollout import Trajectory
+
+MAX_OBSERVATION_CHARS = 300
+
+
+def _clip(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _step_lines(trajectory: Trajectory) -> list[str]:
+    return [
+        f"Step {k}: saw: {_clip(step.observation, MAX_OBSERVATION_CHARS)}\n"
+        f"        did: {step.action if step.action is not None else '(no valid action)'}"
+        for k, step in enumerate(trajectory.steps, start=1)
+    ]
+
+
+def render_trajectory(trajectory: Trajectory, budget_tokens: int, count_tokens: Callable[[str], int]) -> str:
+    """The trajectory's steps, cut in the middle to fit ``budget_tokens``."""
+    lines = _step_lines(trajectory)
+    text = "\n".join(lines)
+    if count_tokens(text) <= budget_tokens:
+        return text
+    for keep in range(len(lines) - 1, 0, -1):
+        head, tail = lines[: (keep + 1) // 2], lines[len(lines) - keep // 2 :]
+        text = "\n".join([*head, f"... ({len(lines) - keep} steps left out) ...", *tail])
+        if count_tokens(text) <= budget_tokens:
+            return text
+    return f"... ({len(lines)} steps left out) ..."
+
+
+def render_group(
+    trajectories: Sequence[Trajectory], budget_tokens: int, count_tokens: Callable[[str], int]
+) -> str:
+    return "\n\n".join(
+        f"Attempt {i} ({len(t.steps)} steps):\n{render_trajectory(t, budget_tokens, count_tokens)}"
+        for i, t in enumerate(trajectories, start=1)
+    )
