@@ -1,0 +1,179 @@
+"""The training batch: step samples packed so one forward scores a response with and without the rubric.
+
+A step sample's prompt is ``prefix + insert + tail`` (``orsd_jax.chat``: ``prefix`` is the chat
+head and the user text, ``insert`` the rubric, ``tail`` the end of the user turn and the
+assistant header). One packed row holds::
+
+    [prefix | insert | tail | response]  [tail | response]  [padding]
+     0 ...    1 ...................... 2 ..............   -1 ...      <- branch ids
+     0 ..........................                P ...               <- positions
+
+The first part is the with-rubric sequence; the second part is the without-rubric branch, which
+restarts at position ``len(prefix)`` and attends to the shared prefix (branch 0) and to itself
+only. A sample without a rubric is ``[prefix | tail | response]`` alone: its with-rubric
+log-probs are its without-rubric ones, so its correction is 0. One row costs
+``P + R + 2 (S + Y)`` tokens instead of ``2 P + R + 2 (S + Y)`` for two separate sequences.
+
+Shapes: B rows (step samples, padded to ``batch_multiple``), T packed length (padded to
+``seq_multiple``), Y response length (padded to ``response_multiple``). Padding in B, T and Y
+lets the jitted step compile once per bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SHARED, WITH, WITHOUT, PAD = 0, 1, 2, -1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSample:
+    """One (trajectory, step) pair, as token ids. An empty ``insert`` means the group has no rubric."""
+
+    prefix: Sequence[int]
+    tail: Sequence[int]
+    response: Sequence[int]
+    old_logprobs: Sequence[float]  # the sampler's log-probs of ``response``
+    advantage: float  # GRPO trajectory advantage or GiGPO step advantage
+    insert: Sequence[int] = ()
+    ref_logprobs: Sequence[float] | None = None  # a reference policy's log-probs of ``response``
+
+
+@flax.struct.dataclass
+class Batch:
+    """Packed step samples (numpy on the host; the jitted step takes it as a pytree of arrays)."""
+
+    tokens: jax.Array  # int32[B, T]
+    positions: jax.Array  # int32[B, T]
+    branch: jax.Array  # int32[B, T]: SHARED, WITH, WITHOUT or PAD
+    response: jax.Array  # int32[B, Y]: the response tokens
+    with_index: jax.Array  # int32[B, Y]: row index whose output predicts response[:, j] with the rubric
+    without_index: jax.Array  # int32[B, Y]: the same without the rubric
+    response_mask: jax.Array  # float32[B, Y]: 1 on real response tokens
+    old_logp: jax.Array  # float32[B, Y]
+    advantage: jax.Array  # float32[B]
+    has_rubric: jax.Array  # bool[B]
+    ref_logp: jax.Array | None = None  # float32[B, Y]
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _check(i: int, s: StepSample) -> None:
+    if not s.prefix:
+        raise ValueError(f"sample {i}: empty prefix (the first response token needs a context)")
+    if not s.response:
+        raise ValueError(f"sample {i}: empty response")
+    if len(s.old_logprobs) != len(s.response):
+        raise ValueError(f"sample {i}: {len(s.old_logprobs)} old log-probs for {len(s.response)} response tokens")
+    if s.ref_logprobs is not None and len(s.ref_logprobs) != len(s.response):
+        raise ValueError(f"sample {i}: {len(s.ref_logprobs)} reference log-probs for {len(s.response)} tokens")
+
+
+def _pack(s: StepSample) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """One row: tokens, positions, branch ids, and the predicting row index of each response token per branch."""
+    p, r, st, y = len(s.prefix), len(s.insert), len(s.tail), len(s.response)
+    tokens = [*s.prefix]
+    positions = list(range(p))
+    branch = [SHARED] * p
+    with_rows: list[int] = []
+    if r:
+        tokens += [*s.insert, *s.tail, *s.response]
+        positions += range(p, p + r + st + y)
+        branch += [WITH] * (r + st + y)
+        with_rows = list(range(p + r + st + y))  # the with-rubric sequence, row by row
+    start = len(tokens)
+    tokens += [*s.tail, *s.response]
+    positions += range(p, p + st + y)
+    branch += [WITHOUT] * (st + y)
+    without_rows = [*range(p), *range(start, start + st + y)]
+    # Response token j sits at sequence index (prompt length + j) and is predicted by the one before.
+    without_index = [without_rows[p + st + j - 1] for j in range(y)]
+    with_index = [with_rows[p + r + st + j - 1] for j in range(y)] if r else without_index
+    return tokens, positions, branch, with_index, without_index
+
+
+def build_batch(
+    samples: Sequence[StepSample],
+    *,
+    seq_multiple: int = 64,
+    response_multiple: int = 16,
+    batch_multiple: int = 1,
+    pad_id: int = 0,
+) -> Batch:
+    """Packs step samples into a ``Batch`` of numpy arrays (see the module docstring for the layout).
+
+    Padding rows (to make B a multiple of ``batch_multiple``, e.g. devices x micro-batches) have
+    no tokens and no response mask, so they add nothing to any loss or count. Reference log-probs
+    are kept when every sample has them and dropped (``None``) when none has.
+    """
+    if not samples:
+        raise ValueError("no step samples")
+    for i, s in enumerate(samples):
+        _check(i, s)
+    with_ref = [s.ref_logprobs is not None for s in samples]
+    if any(with_ref) and not all(with_ref):
+        raise ValueError("reference log-probs must be given for every sample or for none")
+    rows = [_pack(s) for s in samples]
+    b = _round_up(len(samples), batch_multiple)
+    t = _round_up(max(len(row[0]) for row in rows), seq_multiple)
+    y = _round_up(max(len(s.response) for s in samples), response_multiple)
+
+    tokens = np.full((b, t), pad_id, np.int32)
+    positions = np.zeros((b, t), np.int32)
+    branch = np.full((b, t), PAD, np.int32)
+    response = np.full((b, y), pad_id, np.int32)
+    with_index = np.zeros((b, y), np.int32)
+    without_index = np.zeros((b, y), np.int32)
+    mask = np.zeros((b, y), np.float32)
+    old_logp = np.zeros((b, y), np.float32)
+    ref_logp = np.zeros((b, y), np.float32)
+    advantage = np.zeros((b,), np.float32)
+    has_rubric = np.zeros((b,), bool)
+    for i, (s, (tok, pos, br, w_idx, wo_idx)) in enumerate(zip(samples, rows)):
+        n, m = len(tok), len(s.response)
+        tokens[i, :n], positions[i, :n], branch[i, :n] = tok, pos, br
+        response[i, :m] = s.response
+        with_index[i, :m], without_index[i, :m] = w_idx, wo_idx
+        mask[i, :m] = 1.0
+        old_logp[i, :m] = s.old_logprobs
+        if s.ref_logprobs is not None:
+            ref_logp[i, :m] = s.ref_logprobs
+        advantage[i] = s.advantage
+        has_rubric[i] = bool(s.insert)
+    return Batch(
+        tokens=tokens,
+        positions=positions,
+        branch=branch,
+        response=response,
+        with_index=with_index,
+        without_index=without_index,
+        response_mask=mask,
+        old_logp=old_logp,
+        advantage=advantage,
+        has_rubric=has_rubric,
+        ref_logp=ref_logp if all(with_ref) else None,
+    )
+
+
+def tree_attention_mask(branch: jax.Array) -> jax.Array:
+    """``bool[B, T, T]`` from branch ids ``[B, T]``: causal, and a token of one branch never sees the other.
+
+    Query ``i`` attends key ``j`` iff ``j <= i``, both are real tokens, and ``j`` is in the shared
+    prefix or in ``i``'s branch. Padding queries attend nothing.
+    """
+    t = branch.shape[1]
+    query, key = branch[:, :, None], branch[:, None, :]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    return causal[None] & (query != PAD) & (key != PAD) & ((key == SHARED) | (key == query))

@@ -1,0 +1,184 @@
+"""The ORSD policy loss: one forward over the packed batch, token-corrected advantages, PPO-clip.
+
+``OrsdLoss(config)(model, batch) -> (loss_sum, token_count, metric_sums)``. Sums, not means, so
+micro-batches and devices combine exactly: the train step adds sums and divides by the total
+token count once (token-mean aggregation over the whole batch).
+
+Per response token ``j`` of step sample ``i`` (``l+``/``l-``: log-probs with/without the rubric,
+``l_old``: the sampler's):
+
+    Ahat   = A_i + coef * clip(sg(l+ - l-), -clip, clip)            (0 for samples without rubric)
+    r      = exp(l- - l_old)
+    pg     = max(-Ahat r, -Ahat clip(r, 1 - clip_low, 1 + clip_high)), and min(pg, -Ahat dual_clip) if Ahat < 0
+    loss   = pg + kl_coef * k3(l_ref, l-) - entropy_coef * H
+
+``l+`` comes from the same forward as ``l-`` (the packed layout of ``orsd_jax.batch``) and is
+under stop-gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from orsd_jax.advantages import orsd_token_advantages
+from orsd_jax.batch import Batch, tree_attention_mask
+from orsd_jax.models import CausalLM
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Defaults: verl-agent's PPO settings (clip 0.2/0.2, dual clip 3, entropy 0.001) and ORSD's
+    correction at ``coef = 0.5, clip = 1``: one token's correction moves a unit-std trajectory
+    advantage by at most 0.5, enough to flip the sign of tokens the rubric reader strongly
+    prefers in failed trajectories (A around -0.35 in a group with one success out of eight) but
+    never that of a clear success's tokens, and a log-ratio of 1 (a factor e) is where the gap
+    saturates, so single tokens with extreme gaps cannot dominate."""
+
+    coef: float = 0.5  # lambda: weight of the rubric correction (0: plain GRPO/GiGPO)
+    clip: float = 1.0  # c: the log-likelihood gap is clipped to [-c, c]
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0  # bounds the loss of negative-advantage tokens; None: off
+    kl_coef: float = 0.0  # k3 KL to ``batch.ref_logp`` (verl-agent: 0.01); needs reference log-probs
+    entropy_coef: float = 0.001
+    temperature: float = 1.0  # the sampler's: logits are divided by it
+    chunk_size: int = 64  # response positions per LM-head chunk
+
+
+def _logprobs_at(
+    model: CausalLM, hidden: jax.Array, targets: jax.Array, temperature: float, chunk_size: int
+) -> tuple[jax.Array, jax.Array]:
+    """Log-probs of ``targets [B, Y]`` and entropies, both ``float32[B, Y]``, from ``hidden [B, Y, D]``.
+
+    The LM head runs ``chunk_size`` positions at a time under ``jax.checkpoint``: at most
+    ``[B, chunk_size, V]`` logits live at once, forward or backward.
+    """
+    b, y, d = hidden.shape
+    chunk = min(chunk_size, y)
+    n_chunks = -(-y // chunk)
+    pad = n_chunks * chunk - y
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
+    targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one_chunk(args):
+        h, tgt = args
+        logits = model.logits(h) / temperature
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        logp = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
+        return logp, lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+
+    logp, entropy = jax.lax.map(one_chunk, (hidden, targets))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, -1)[:, :y]  # noqa: E731
+    return unchunk(logp), unchunk(entropy)
+
+
+def response_logprobs(
+    model: CausalLM, batch: Batch, *, temperature: float = 1.0, chunk_size: int = 64, with_rubric: bool = True
+) -> tuple[jax.Array | None, jax.Array, jax.Array]:
+    """One forward over the packed batch: ``(logp_with, logp_without, entropy_without)``, each ``[B, Y]``.
+
+    ``logp_with`` is under stop-gradient (for samples without a rubric it equals ``logp_without``),
+    and ``None`` when ``with_rubric`` is off (its LM head is then skipped).
+    """
+    mask = tree_attention_mask(batch.branch)
+    hidden, _ = model.hidden_states(batch.tokens, batch.positions, mask=mask)
+    gather = lambda index: jnp.take_along_axis(hidden, index[..., None], axis=1)  # noqa: E731
+    logp_without, entropy = _logprobs_at(model, gather(batch.without_index), batch.response, temperature, chunk_size)
+    if not with_rubric:
+        return None, logp_without, entropy
+    logp_with, _ = _logprobs_at(model, gather(batch.with_index), batch.response, temperature, chunk_size)
+    return jax.lax.stop_gradient(logp_with), logp_without, entropy
+
+
+def _k3(log_ratio: jax.Array) -> jax.Array:
+    """``e^x - x - 1`` for ``x = log q/p`` on samples of p: the non-negative, low-variance KL(p || q) estimate."""
+    return jnp.exp(log_ratio) - log_ratio - 1
+
+
+def policy_loss(
+    logp: jax.Array,
+    entropy: jax.Array,
+    logp_with: jax.Array | None,
+    batch: Batch,
+    config: LossConfig,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """``(loss_sum, token_count, metric_sums)`` from the without-rubric ``logp``/``entropy [B, Y]``
+    and the with-rubric ``logp_with [B, Y]`` (``None``: no correction). Only samples with
+    ``batch.has_rubric`` are corrected."""
+    mask = batch.response_mask
+    # The corrected tokens: those of samples with a rubric, when with-rubric log-probs are given.
+    rubric = mask * batch.has_rubric[:, None] * (logp_with is not None)
+    logp_with = logp if logp_with is None else jnp.where(rubric > 0, logp_with, logp)
+    adv = orsd_token_advantages(batch.advantage, logp_with, logp, mask, config.coef, config.clip)
+    log_ratio = jnp.clip(logp - batch.old_logp, -20.0, 20.0)
+    ratio = jnp.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1 - config.clip_low, 1 + config.clip_high)
+    per_token = jnp.maximum(unclipped, clipped)
+    if config.dual_clip is not None:
+        per_token = jnp.where(adv < 0, jnp.minimum(per_token, -adv * config.dual_clip), per_token)
+    sums = {
+        "clipped": jnp.sum((clipped > unclipped) * mask),
+        "approx_kl": jnp.sum(jax.lax.stop_gradient(_k3(log_ratio)) * mask),
+        "entropy": jnp.sum(jax.lax.stop_gradient(entropy) * mask),
+    }
+    if config.kl_coef:
+        if batch.ref_logp is None:
+            raise ValueError("kl_coef > 0 needs reference log-probs in the batch (StepSample.ref_logprobs)")
+        ref_kl = jnp.clip(_k3(jnp.clip(batch.ref_logp - logp, -20.0, 20.0)), -10.0, 10.0)
+        per_token = per_token + config.kl_coef * ref_kl
+        sums["ref_kl"] = jnp.sum(jax.lax.stop_gradient(ref_kl) * mask)
+    if config.entropy_coef:
+        per_token = per_token - config.entropy_coef * entropy
+    # Gap statistics over the corrected tokens.
+    gap = jax.lax.stop_gradient(logp_with - logp) * rubric
+    traj_adv = batch.advantage[:, None] * rubric
+    sums |= {
+        "rubric_tokens": jnp.sum(rubric),
+        "gap": jnp.sum(gap),
+        "gap_sq": jnp.sum(gap**2),
+        "gap_clipped": jnp.sum((jnp.abs(gap) > config.clip) * rubric),
+        "adv": jnp.sum(traj_adv),
+        "adv_sq": jnp.sum(traj_adv**2),
+        "gap_adv": jnp.sum(gap * traj_adv),
+    }
+    return jnp.sum(per_token * mask), jnp.sum(mask), sums
+
+
+@dataclasses.dataclass(frozen=True)
+class OrsdLoss:
+    """The loss the train step differentiates: ``(model, batch) -> (loss_sum, token_count, metric_sums)``."""
+
+    config: LossConfig = LossConfig()
+
+    def __call__(self, model: CausalLM, batch: Batch):
+        c = self.config
+        logp_with, logp, entropy = response_logprobs(
+            model, batch, temperature=c.temperature, chunk_size=c.chunk_size, with_rubric=c.coef != 0
+        )
+        return policy_loss(logp, entropy, logp_with, batch, c)
+
+    @staticmethod
+    def metrics(sums: dict[str, jax.Array], token_count: jax.Array) -> dict[str, jax.Array]:
+        """Means from summed metrics (over every micro-batch and device)."""
+        n = jnp.maximum(token_count, 1)
+        out = {"clip_frac": sums["clipped"] / n, "approx_kl": sums["approx_kl"] / n, "entropy": sums["entropy"] / n}
+        if "ref_kl" in sums:
+            out["ref_kl"] = sums["ref_kl"] / n
+        nr = jnp.maximum(sums["rubric_tokens"], 1)
+        gap_mean, adv_mean = sums["gap"] / nr, sums["adv"] / nr
+        gap_var = jnp.maximum(sums["gap_sq"] / nr - gap_mean**2, 0.0)
+        adv_var = jnp.maximum(sums["adv_sq"] / nr - adv_mean**2, 0.0)
+        cov = sums["gap_adv"] / nr - gap_mean * adv_mean
+        denom = jnp.sqrt(gap_var * adv_var)
+        return out | {
+            "rubric_token_frac": sums["rubric_tokens"] / n,
+            "gap_mean": gap_mean,
+            "gap_std": jnp.sqrt(gap_var),
+            "gap_clip_frac": sums["gap_clipped"] / nr,
+            "gap_adv_corr": jnp.where(denom > 0, cov / jnp.where(denom > 0, denom, 1.0), 0.0),
+        }

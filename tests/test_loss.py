@@ -1,0 +1,292 @@
+"""The packed batch and the ORSD loss: hand-computed toys, and the one packed forward against two
+separate forwards of a tiny random model with an independent loss written here."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from orsd_jax.batch import PAD, SHARED, WITH, WITHOUT, StepSample, build_batch, tree_attention_mask
+from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss
+from orsd_jax.models import CausalLM, ModelConfig
+
+# ---------------------------------------------------------------- the packed layout, by hand
+
+
+def test_build_batch_layout_by_hand():
+    with_rubric = StepSample(prefix=[11, 12], insert=[21, 22, 23], tail=[31], response=[41, 42],
+                             old_logprobs=[-1.0, -2.0], advantage=0.5)  # fmt: skip
+    plain = StepSample(prefix=[13], tail=[32, 33], response=[43, 44, 45], old_logprobs=[-3.0, -4.0, -5.0], advantage=-1.0)
+    b = build_batch([with_rubric, plain], seq_multiple=4, response_multiple=4, batch_multiple=4, pad_id=0)
+    # Row 0: [prefix | insert tail response] [tail response] = 11 tokens, padded to 12.
+    np.testing.assert_array_equal(b.tokens[0], [11, 12, 21, 22, 23, 31, 41, 42, 31, 41, 42, 0])
+    np.testing.assert_array_equal(b.positions[0], [0, 1, 2, 3, 4, 5, 6, 7, 2, 3, 4, 0])
+    np.testing.assert_array_equal(b.branch[0], [0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 2, -1])
+    # With the rubric, 41 (row 6) is predicted by row 5 (tail), 42 by row 6. Without it, the
+    # sequence is rows 0, 1, 8, 9, 10: 41 (row 9) is predicted by row 8, 42 (row 10) by row 9.
+    np.testing.assert_array_equal(b.with_index[0], [5, 6, 0, 0])
+    np.testing.assert_array_equal(b.without_index[0], [8, 9, 0, 0])
+    # Row 1 has no rubric: [prefix | tail response] only, and both indices are the same.
+    np.testing.assert_array_equal(b.tokens[1], [13, 32, 33, 43, 44, 45] + [0] * 6)
+    np.testing.assert_array_equal(b.positions[1], [0, 1, 2, 3, 4, 5] + [0] * 6)
+    np.testing.assert_array_equal(b.branch[1], [0, 2, 2, 2, 2, 2] + [-1] * 6)
+    np.testing.assert_array_equal(b.with_index[1], [2, 3, 4, 0])
+    np.testing.assert_array_equal(b.without_index[1], [2, 3, 4, 0])
+    np.testing.assert_array_equal(b.response, [[41, 42, 0, 0], [43, 44, 45, 0], [0] * 4, [0] * 4])
+    np.testing.assert_array_equal(b.response_mask, [[1, 1, 0, 0], [1, 1, 1, 0], [0] * 4, [0] * 4])
+    np.testing.assert_array_equal(b.old_logp[:2], [[-1, -2, 0, 0], [-3, -4, -5, 0]])
+    np.testing.assert_array_equal(b.advantage, [0.5, -1.0, 0, 0])
+    np.testing.assert_array_equal(b.has_rubric, [True, False, False, False])
+    assert b.ref_logp is None
+    # Rows 2 and 3 only pad the batch to a multiple of 4.
+    assert (b.branch[2:] == PAD).all() and b.tokens.shape == (4, 12)
+
+
+def test_tree_attention_mask_by_hand():
+    branch = np.array([[SHARED, SHARED, WITH, WITH, WITHOUT, WITHOUT, PAD]])
+    mask = np.asarray(tree_attention_mask(jnp.asarray(branch)))[0].astype(int)
+    expected = [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],  # the without branch sees the prefix and itself, not the with branch
+        [1, 1, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 0, 0],  # padding sees nothing
+    ]
+    np.testing.assert_array_equal(mask, expected)
+
+
+def test_build_batch_rejects_bad_samples():
+    good = dict(prefix=[1], tail=[2], response=[3, 4], old_logprobs=[-1.0, -1.0], advantage=0.0)
+    with pytest.raises(ValueError, match="2 response tokens"):
+        build_batch([StepSample(**good | {"old_logprobs": [-1.0]})])
+    with pytest.raises(ValueError, match="empty response"):
+        build_batch([StepSample(**good | {"response": [], "old_logprobs": []})])
+    with pytest.raises(ValueError, match="every sample or for none"):
+        build_batch([StepSample(**good, ref_logprobs=[-1.0, -1.0]), StepSample(**good)])
+    batch = build_batch([StepSample(**good)])
+    with pytest.raises(ValueError, match="reference log-probs"):
+        policy_loss(jnp.zeros((1, 16)), jnp.zeros((1, 16)), None, batch, LossConfig(kl_coef=0.1))
+
+
+# ---------------------------------------------------------------- the loss on given log-probs, by hand
+
+
+def _toy_batch(responses, advantages, has_rubric, old, ref=None):
+    samples = [
+        StepSample(prefix=[1], tail=[2], response=[5] * n, old_logprobs=o, advantage=a,
+                   insert=[3] if r else (), ref_logprobs=None if ref is None else ref[i])
+        for i, (n, a, r, o) in enumerate(zip(responses, advantages, has_rubric, old))
+    ]  # fmt: skip
+    return build_batch(samples, response_multiple=4)
+
+
+def _pad(rows, width=4):
+    return jnp.asarray([list(r) + [0.0] * (width - len(r)) for r in rows], jnp.float32)
+
+
+def test_ppo_clip_dual_clip_entropy_and_kl_by_hand():
+    # Old log-probs 0, so the ratios are exp(logp): 1.5, 0.9, 1.1 (advantage +1) and 0.5, 5 (advantage -1).
+    logp = _pad([np.log([1.5, 0.9, 1.1]), np.log([0.5, 5.0])])
+    batch = _toy_batch([3, 2], [1.0, -1.0], [False, False], [[0.0] * 3, [0.0] * 2])
+    base = LossConfig(coef=0.0, clip_low=0.2, clip_high=0.2, dual_clip=3.0, entropy_coef=0.0)
+    loss_sum, count, sums = policy_loss(logp, jnp.zeros_like(logp), None, batch, base)
+    # A = +1: max(-1.5, -1.2) = -1.2 (clipped), -0.9, -1.1. A = -1: max(0.5, 0.8) = 0.8 (clipped),
+    # max(5, 1.2) = 5, dual-clipped to 3.
+    assert float(count) == 5 and float(sums["clipped"]) == 2
+    np.testing.assert_allclose(float(loss_sum), -1.2 - 0.9 - 1.1 + 0.8 + 3.0, rtol=1e-6)
+    # Clip-higher 0.28 moves the first token to -1.28; no dual clip leaves the last at 5.
+    higher = dataclasses.replace(base, clip_high=0.28, dual_clip=None)
+    loss_sum, _, _ = policy_loss(logp, jnp.zeros_like(logp), None, batch, higher)
+    np.testing.assert_allclose(float(loss_sum), -1.28 - 0.9 - 1.1 + 0.8 + 5.0, rtol=1e-6)
+    # Entropy bonus 0.1 on entropies 1..5 (sum 15) and k3 KL 0.1 against a reference log(2) above
+    # the first token: e^log2 - log2 - 1.
+    ref = [list(np.log([3.0, 0.9, 1.1])), list(np.log([0.5, 5.0]))]
+    batch = _toy_batch([3, 2], [1.0, -1.0], [False, False], [[0.0] * 3, [0.0] * 2], ref=ref)
+    config = LossConfig(coef=0.0, dual_clip=3.0, entropy_coef=0.1, kl_coef=0.1)
+    loss_sum, _, sums = policy_loss(logp, _pad([[1, 2, 3], [4, 5]]), None, batch, config)
+    kl = 2 - np.log(2) - 1
+    np.testing.assert_allclose(float(loss_sum), 0.6 - 0.1 * 15 + 0.1 * kl, rtol=1e-5)
+    np.testing.assert_allclose(float(sums["ref_kl"]), kl, rtol=1e-5)
+    np.testing.assert_allclose(float(sums["entropy"]), 15, rtol=1e-6)
+
+
+def test_correction_and_gap_metrics_by_hand():
+    # Ratios 1 everywhere, so each token's loss is -Ahat. Sample 0 (A = +1) and sample 2 (A = -1)
+    # have a rubric; sample 1 (A = 0.5) has none, so its (different) with-rubric log-probs are ignored.
+    old = [[-1.0] * 3, [-1.0], [-1.0] * 2]
+    logp = _pad(old)
+    gaps = [[0.4, 2.0, -0.2], [5.0], [-3.0, 0.5]]
+    logp_with = logp + _pad(gaps)
+    batch = _toy_batch([3, 1, 2], [1.0, 0.5, -1.0], [True, False, True], old)
+    config = LossConfig(coef=0.5, clip=1.0, entropy_coef=0.0)
+    loss_sum, count, sums = policy_loss(logp, jnp.zeros_like(logp), logp_with, batch, config)
+    # Ahat: 1 + 0.5 * (0.4, 1, -0.2) = 1.2, 1.5, 0.9; 0.5; -1 + 0.5 * (-1, 0.5) = -1.5, -0.75.
+    np.testing.assert_allclose(float(loss_sum), -(1.2 + 1.5 + 0.9 + 0.5 - 1.5 - 0.75), rtol=1e-6)
+    metrics = OrsdLoss.metrics(sums, count)
+    g = np.array([0.4, 2.0, -0.2, -3.0, 0.5])
+    a = np.array([1.0, 1.0, 1.0, -1.0, -1.0])
+    np.testing.assert_allclose(float(metrics["gap_mean"]), g.mean(), atol=1e-6)
+    np.testing.assert_allclose(float(metrics["gap_std"]), g.std(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["gap_clip_frac"]), 2 / 5, rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["gap_adv_corr"]), np.corrcoef(g, a)[0, 1], rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["rubric_token_frac"]), 5 / 6, rtol=1e-6)
+    assert float(metrics["clip_frac"]) == 0 and float(metrics["approx_kl"]) == 0
+
+
+# ---------------------------------------------------------------- one packed forward vs two forwards
+
+CONFIG = ModelConfig("qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
+LOSS = LossConfig(coef=0.8, clip=0.2, clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.05,
+                  entropy_coef=0.01, temperature=0.7, chunk_size=4)  # fmt: skip
+
+
+@functools.cache
+def tiny_model(config: ModelConfig = CONFIG, seed: int = 0):
+    """``(graphdef, params)`` of a random model, drawn with numpy (fast; no per-shape PRNG compiles).
+
+    Weights have std 0.25, large enough for visible gaps (the init scale 0.02 gives near-uniform
+    logits); norm scales are near 1.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(config, nnx.Rngs(0))))
+    rng = np.random.RandomState(seed)
+
+    def draw(path, x):
+        is_norm = "norm" in jax.tree_util.keystr(path)
+        return jnp.asarray((1.0 if is_norm else 0.0) + rng.normal(0, 0.1 if is_norm else 0.25, x.shape), x.dtype)
+
+    return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _token_logprobs(graphdef, params, ids, targets):
+    model = nnx.merge(graphdef, params)
+    return model.token_logprobs(ids, targets, temperature=LOSS.temperature, with_entropy=True)
+
+
+def _sequence_logprobs(graphdef, params, sequences, prompt_lengths, width, length=32):
+    """Log-probs and entropies ``[N, width]`` of each sequence's tokens after its prompt, each sequence
+    run alone through a plain causal forward (end padding to ``length`` cannot affect earlier tokens)."""
+    ids = np.zeros((len(sequences), length), np.int32)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = s
+    targets = np.concatenate([ids[:, 1:], np.zeros((len(ids), 1), np.int32)], axis=1)
+    logp, entropy = _token_logprobs(graphdef, params, jnp.asarray(ids), jnp.asarray(targets))
+    rows = np.arange(len(ids))[:, None]
+    cols = np.asarray(prompt_lengths)[:, None] - 1 + np.arange(width)
+    return logp[rows, cols], entropy[rows, cols]
+
+
+def make_samples(rubric_rows, seed=0):
+    """Step samples of random lengths with old/ref log-probs near the model's own (so some ratios clip)."""
+    rng = np.random.RandomState(seed)
+    parts = []
+    for has in rubric_rows:
+        prefix = rng.randint(0, 96, rng.randint(3, 12)).tolist()
+        insert = rng.randint(0, 96, rng.randint(2, 7)).tolist() if has else []
+        tail = rng.randint(0, 96, rng.randint(1, 4)).tolist()
+        parts.append((prefix, insert, tail, rng.randint(0, 96, rng.randint(2, 9)).tolist()))
+    graphdef, params = tiny_model()
+    width = max(len(p[3]) for p in parts)
+    logp, _ = _sequence_logprobs(graphdef, params, [p + t + y for p, _, t, y in parts],
+                                 [len(p) + len(t) for p, _, t, _ in parts], width)  # fmt: skip
+    logp = np.asarray(logp)
+    samples = []
+    for i, (prefix, insert, tail, response) in enumerate(parts):
+        n = len(response)
+        samples.append(StepSample(
+            prefix=prefix, insert=insert, tail=tail, response=response,
+            old_logprobs=(logp[i, :n] + 0.3 * rng.randn(n)).tolist(),
+            ref_logprobs=(logp[i, :n] + 0.3 * rng.randn(n)).tolist(),
+            advantage=float(rng.randn()),
+        ))  # fmt: skip
+    return samples
+
+
+RUBRIC_ROWS = (True, False, True, True, False)  # mixed: samples of groups with and without a rubric
+
+
+@functools.cache
+def reference_case():
+    """Samples, and the value and gradient of the ORSD objective written independently: two plain
+    forwards per sample, the with-rubric log-probs computed once as constants, a token mean."""
+    samples = make_samples(RUBRIC_ROWS)
+    graphdef, params = tiny_model()
+    width = max(len(s.response) for s in samples)
+    pad = lambda rows: jnp.asarray([list(r) + [0.0] * (width - len(r)) for r in rows], jnp.float32)  # noqa: E731
+    old, ref = pad([s.old_logprobs for s in samples]), pad([s.ref_logprobs for s in samples])
+    mask = pad([[1.0] * len(s.response) for s in samples])
+    adv = jnp.asarray([s.advantage for s in samples])[:, None]
+    has = jnp.asarray([bool(s.insert) for s in samples])[:, None]
+    with_rubric = [[*s.prefix, *s.insert, *s.tail, *s.response] for s in samples]
+    lw, _ = _sequence_logprobs(graphdef, params, with_rubric, [len(q) - len(s.response) for q, s in zip(with_rubric, samples)], width)
+
+    def loss(p, coef):
+        without = [[*s.prefix, *s.tail, *s.response] for s in samples]
+        lp, ent = _sequence_logprobs(graphdef, p, without, [len(s.prefix) + len(s.tail) for s in samples], width)
+        gap = jnp.where(has, jax.lax.stop_gradient(lw - lp), 0.0)
+        a_hat = adv + coef * jnp.clip(gap, -LOSS.clip, LOSS.clip)
+        ratio = jnp.exp(lp - old)
+        term = jnp.maximum(-a_hat * ratio, -a_hat * jnp.clip(ratio, 1 - LOSS.clip_low, 1 + LOSS.clip_high))
+        term = jnp.where(a_hat < 0, jnp.minimum(term, -a_hat * LOSS.dual_clip), term)
+        d = ref - lp
+        term = term + LOSS.kl_coef * (jnp.exp(d) - d - 1) - LOSS.entropy_coef * ent
+        return jnp.sum(term * mask) / jnp.sum(mask)
+
+    return samples, jax.jit(jax.value_and_grad(loss))
+
+
+def packed_value_and_grad(batch, config):
+    graphdef, params = tiny_model()
+
+    def f(p):
+        loss_sum, count, _ = OrsdLoss(config)(nnx.merge(graphdef, p), batch)
+        return loss_sum / count
+
+    return jax.jit(jax.value_and_grad(f))(params)
+
+
+def assert_trees_close(a, b, tol=1e-5):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol, err_msg=jax.tree_util.keystr(path))
+
+
+def test_one_packed_forward_equals_two_forwards():
+    samples, reference = reference_case()
+    batch = build_batch(samples, seq_multiple=16, response_multiple=4, batch_multiple=8)  # 3 all-padding rows
+    assert batch.has_rubric.sum() == 3 and batch.tokens.shape[0] == 8
+    loss, grads = packed_value_and_grad(batch, LOSS)
+    expected_loss, expected_grads = reference(tiny_model()[1], LOSS.coef)
+    np.testing.assert_allclose(float(loss), float(expected_loss), atol=1e-5, rtol=0)
+    # The reference holds the with-rubric log-probs constant: equal gradients mean none flows through them.
+    assert_trees_close(grads, expected_grads)
+    # The correction matters here: without it the loss and gradients are different.
+    plain_loss, plain_grads = reference(tiny_model()[1], 0.0)
+    assert abs(float(plain_loss) - float(loss)) > 1e-3
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads))) > 1e-3
+
+
+def test_coef_zero_is_plain_grpo():
+    samples, reference = reference_case()
+    config = dataclasses.replace(LOSS, coef=0.0)
+    batch = build_batch(samples, seq_multiple=16)
+    loss, grads = packed_value_and_grad(batch, config)
+    expected_loss, expected_grads = reference(tiny_model()[1], 0.0)
+    np.testing.assert_allclose(float(loss), float(expected_loss), atol=1e-5, rtol=0)
+    assert_trees_close(grads, expected_grads)
+    # GRPO's own batch carries no with-rubric branch at all, and gives the same loss.
+    grpo_batch = build_batch([dataclasses.replace(s, insert=()) for s in samples], seq_multiple=16)
+    assert not grpo_batch.has_rubric.any() and (grpo_batch.branch != WITH).all()
+    # Tokens: P + S + Y per GRPO row; P + (R + S + Y) + (S + Y) per row with a rubric.
+    sizes = [(len(s.prefix), len(s.insert), len(s.tail), len(s.response)) for s in samples]
+    assert (grpo_batch.branch != PAD).sum() == sum(p + t + y for p, _, t, y in sizes)
+    assert (batch.branch != PAD).sum() == sum(p + (r + t + y if r else 0) + t + y for p, r, t, y in sizes)
+    graphdef, params = tiny_model()
+    loss_sum, count, _ = jax.jit(lambda p, b: OrsdLoss(config)(nnx.merge(graphdef, p), b))(params, grpo_batch)
+    np.testing.assert_allclose(float(loss_sum / count), float(expected_loss), atol=1e-5, rtol=0)
