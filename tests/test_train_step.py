@@ -1,0 +1,97 @@
+"""The train step: exact micro-batching, the optimizer, FSDP specs, and (in a 4-device subprocess) the
+sharded step against the single-device one."""
+
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, PartitionSpec as P
+
+from orsd_jax.batch import build_batch
+from orsd_jax.loss import OrsdLoss
+from orsd_jax.train_step import OptimizerConfig, fsdp_spec, loss_and_grads, make_mesh, make_optimizer
+from test_loss import LOSS, assert_trees_close, fast_jit, make_samples, tiny_model
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+@functools.partial(fast_jit, static_argnums=2)
+def _loss_and_grads(params, batch, micro_batches):
+    return loss_and_grads(OrsdLoss(LOSS), tiny_model()[0], params, batch, micro_batches)
+
+
+def test_four_micro_batches_equal_one_batch():
+    # Eight samples of different response lengths: a mean of micro-batch means would differ.
+    samples = make_samples((True, False, True, True, False, True, False, True), seed=1)
+    batch = build_batch(samples, seq_multiple=16, batch_multiple=4)
+    params = tiny_model()[1]
+    grads, loss, metrics = _loss_and_grads(params, batch, 1)
+    grads4, loss4, metrics4 = _loss_and_grads(params, batch, 4)
+    np.testing.assert_allclose(float(loss4), float(loss), atol=1e-5, rtol=0)
+    assert_trees_close(grads4, grads)
+    assert set(metrics4) == set(metrics)
+    for key in metrics:
+        np.testing.assert_allclose(float(metrics4[key]), float(metrics[key]), atol=1e-5, rtol=1e-5, err_msg=key)
+    assert float(metrics["tokens"]) == sum(len(s.response) for s in samples)
+
+
+def test_optimizer_clips_then_adamw():
+    # One update on a toy tree against AdamW written out: gradient norm 5 clipped to 1, then
+    # m = 0.1 g, v = 0.001 g^2, bias-corrected to g and g^2, update lr * (g / (|g| + eps) + wd * p).
+    config = OptimizerConfig(learning_rate=0.1, weight_decay=0.5, grad_clip=1.0)
+    params = {"a": jnp.array([1.0, -2.0]), "b": jnp.array([[0.5]])}
+    grads = {"a": jnp.array([3.0, 0.0]), "b": jnp.array([[-4.0]])}
+    optimizer = make_optimizer(config)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    new = optax.apply_updates(params, updates)
+    for key in params:
+        p, g = np.asarray(params[key]), np.asarray(grads[key]) / 5.0
+        expected = p - 0.1 * (g / (np.abs(g) + config.eps) + 0.5 * p)
+        np.testing.assert_allclose(np.asarray(new[key]), expected, rtol=1e-5)
+
+
+def test_fsdp_spec_rule():
+    layers = (jax.tree_util.DictKey("layers"), jax.tree_util.DictKey("attn"), jax.tree_util.DictKey("q"))
+    embed = (jax.tree_util.DictKey("embed"),)
+    # Stacked [L, D, N, H]: never the layer axis (8), the largest dividing axis (D = 32) instead.
+    assert fsdp_spec(layers, (8, 32, 4, 8), 4) == P(None, "data", None, None)
+    assert fsdp_spec(embed, (96, 32), 4) == P("data", None)
+    assert fsdp_spec(embed, (90, 32), 4) == P(None, "data")
+    assert fsdp_spec(embed, (90, 30), 4) == P()  # nothing divides: replicated
+    assert fsdp_spec(embed, (96, 32), 1) == P()
+
+
+def test_mesh_is_auto_data_axis():
+    mesh = make_mesh()
+    assert mesh.axis_names == ("data",) and mesh.axis_types == (AxisType.Auto,)
+    assert mesh.shape["data"] == jax.device_count()
+
+
+def test_sharded_step_equals_single_device():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    # Unoptimised XLA code compiles about three times faster; both sides of each comparison use it.
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    proc = subprocess.run([sys.executable, str(HERE / "sharded_step_check.py")], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(np.isfinite(out["single_loss"]))
+    for name in ("replicated", "fsdp"):
+        assert out[name]["steps"] == 2
+        assert out[name]["param_diff"] < 1e-5, (name, out[name]["param_diff"])
+        assert out[name]["metric_diff"] < 1e-5, (name, out[name]["metric_diff"])
+    assert set(out["replicated"]["specs"].values()) == {"P()"}
+    fsdp = out["fsdp"]["specs"]
+    # Each parameter and its momentum split along the same axis; the layer axis never.
+    for where in (".params", ".opt_state[1][0].trace"):
+        assert fsdp[where + "['embed'].value"] == "P('data', None)"
+        assert fsdp[where + "['layers']['mlp']['gate'].value"] == "P(None, None, 'data')"  # [L, 32, 64]
+        assert fsdp[where + "['layers']['attn']['o'].value"] == "P(None, None, None, 'data')"  # [L, 4, 8, 32]
+    assert fsdp[".step"] == "P()"
