@@ -61,10 +61,6 @@ class Batch:
     has_rubric: jax.Array  # bool[B]
     ref_logp: jax.Array | None = None  # float32[B, Y]
 
-    @property
-    def num_rows(self) -> int:
-        return self.tokens.shape[0]
-
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

@@ -114,15 +114,17 @@ def state_shardings(state: Any, mesh: Mesh, fsdp: bool = False) -> Any:
 
 
 def loss_and_grads(
-    loss: Loss, graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, micro_batches: int = 1
+    loss: Loss, graphdef: nnx.GraphDef, params: nnx.State, batch: Any, micro_batches: int = 1
 ) -> tuple[nnx.State, jax.Array, dict[str, jax.Array]]:
     """``(grads, loss, metrics)`` of the token-mean loss over the whole batch.
+
+    ``batch`` is a ``Batch`` or any pytree of arrays with rows on their leading axis.
 
     The batch is cut into ``micro_batches`` interleaved slices (rows ``m, m + M, ...``), so each
     slice keeps rows from every device's shard; gradients of the loss *sums* are accumulated in
     float32 by a ``lax.scan`` and divided by the total token count once.
     """
-    b = batch.num_rows
+    b = jax.tree.leaves(batch)[0].shape[0]
     if b % micro_batches:
         raise ValueError(f"{b} rows do not split into {micro_batches} micro-batches")
 
