@@ -2,15 +2,16 @@
 in an EnvPool versus one after another in one process.
 
 Usage: python -m benchmarks.alfworld_envs [--difficulty easy standard] [--envs 16] [--group 8]
-           [--rounds 10] [--repeats 3] [--workers W] [--train 200] [--unseen 50]
+           [--rounds 10] [--repeats 3] [--workers W] [--train 200] [--unseen 50] [--parts ...]
 
 Generation writes ``--train`` train and ``--unseen`` valid_unseen games with 2 worker processes
 (the issue's budget: under 10 minutes on 2 cores) and reports the train games' planner
-walkthrough length (overall and per task type), receptacle and object counts over all runs. Stepping plays ``--envs`` environments, groups
-of ``--group`` copies of a game, for ``--rounds`` steps each with a seeded random policy over the
-admissible commands; both modes take the same actions. Steps are timed apart from resets and
-steps/s are medians of ``--repeats`` runs; the reset time is the first run's, which loads the
-games (later resets of a loaded game skip the PDDL translation).
+walkthrough length (overall and per task type), receptacle and object counts over all runs.
+Stepping plays ``--envs`` environments, groups of ``--group`` copies of a game, for ``--rounds``
+steps each with a seeded random policy over the admissible commands; both modes take the same
+actions. Steps are timed apart from resets and steps/s are medians of ``--repeats`` runs; the
+reset time is the first run's, which loads the games (later resets of a loaded game skip the
+PDDL translation). The machine's load average is printed: other processes skew the ratio.
 """
 
 from __future__ import annotations
@@ -105,6 +106,29 @@ def bench_stepping(difficulty: str, args) -> dict[str, float]:
     return out
 
 
+def report_generation(args) -> None:
+    print(f"| preset | generate {args.train} train + {args.unseen} unseen (2 workers) | walkthrough steps "
+          f"| by type ({' / '.join(TASK_TYPES)}) | receptacles (min-max) | objects |")
+    print("|---|---:|---:|---|---:|---:|")
+    for difficulty in args.difficulty:
+        runs = [generation_run(difficulty, args.train, args.unseen, args.seed + r) for r in range(args.repeats)]
+        seconds = statistics.median(seconds for seconds, _ in runs)
+        print(f"| {difficulty} | {seconds:.1f} s | {describe([g for _, games in runs for g in games])} |", flush=True)
+
+
+def report_stepping(args) -> None:
+    print(f"\n| preset | {args.envs} envs | sequential steps/s | concurrent steps/s | ratio "
+          "| sequential first reset | concurrent first reset | pool start |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for difficulty in args.difficulty:
+        r = bench_stepping(difficulty, args)
+        print(f"| {difficulty} | {args.envs // args.group} games x {args.group} "
+              f"| {r['sequential_steps_per_s']:.1f} | {r['concurrent_steps_per_s']:.1f} "
+              f"| {r['concurrent_steps_per_s'] / r['sequential_steps_per_s']:.2f}x "
+              f"| {r['sequential_reset_s']:.1f} s | {r['concurrent_reset_s']:.1f} s | {r['spawn_s']:.1f} s |",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--difficulty", nargs="+", default=["easy", "standard"])
@@ -116,29 +140,19 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=200)
     parser.add_argument("--unseen", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", nargs="+", default=["generation", "stepping"], choices=["generation", "stepping"])
     args = parser.parse_args()
     if args.envs % args.group:
         parser.error("--envs must be a multiple of --group")
     workers = args.workers or os.cpu_count()
-    print(f"{os.cpu_count()} CPUs; EnvPool with {workers} workers; medians of {args.repeats} runs\n")
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; EnvPool with {workers} workers; "
+          f"medians of {args.repeats} runs\n")
 
-    print(f"| preset | generate {args.train} train + {args.unseen} unseen (2 workers) | walkthrough steps "
-          f"| by type ({' / '.join(TASK_TYPES)}) | receptacles (min-max) | objects |")
-    print("|---|---:|---:|---|---:|---:|")
-    for difficulty in args.difficulty:
-        runs = [generation_run(difficulty, args.train, args.unseen, args.seed + r) for r in range(args.repeats)]
-        seconds = statistics.median(seconds for seconds, _ in runs)
-        print(f"| {difficulty} | {seconds:.1f} s | {describe([g for _, games in runs for g in games])} |", flush=True)
-
-    print(f"\n| preset | {args.envs} envs | sequential steps/s | concurrent steps/s | ratio "
-          "| sequential first reset | concurrent first reset | pool start |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for difficulty in args.difficulty:
-        r = bench_stepping(difficulty, args)
-        print(f"| {difficulty} | {args.envs // args.group} games x {args.group} "
-              f"| {r['sequential_steps_per_s']:.1f} | {r['concurrent_steps_per_s']:.1f} "
-              f"| {r['concurrent_steps_per_s'] / r['sequential_steps_per_s']:.2f}x "
-              f"| {r['sequential_reset_s']:.1f} s | {r['concurrent_reset_s']:.1f} s | {r['spawn_s']:.1f} s |", flush=True)
+    if "generation" in args.parts:
+        report_generation(args)
+    if "stepping" in args.parts:
+        report_stepping(args)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

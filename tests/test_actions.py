@@ -62,7 +62,8 @@ def test_inadmissible_command_is_well_formed_but_not_valid():
     assert not parsed.valid and "admissible" in parsed.reason
 
 
-@pytest.mark.parametrize("text", ["régler le bureau 1", "go to desk 1 🙂", "gо to desk 1"])  # the last has a Cyrillic o
+# The last one spells "go" with a Cyrillic o.
+@pytest.mark.parametrize("text", ["régler le bureau 1", "go to desk 1 🙂", "gо to desk 1"])
 def test_non_ascii_actions_do_not_match(text):
     parsed = parse_action(f"<think>x</think><action>{text}</action>", ADMISSIBLE)
     assert parsed.action == text.lower() and parsed.valid_format and not parsed.admissible

@@ -55,8 +55,10 @@ def test_skips_what_the_official_loader_skips(root, tmp_path):
     assert len(ours) == len(trials) - 4
 
 
-def test_tasks_carry_type_and_sentence(root):
-    tasks = load_split(root, "train")
+def test_tasks_carry_type_and_sentence(root, monkeypatch):
+    monkeypatch.chdir(root.parent)
+    tasks = load_split(root.name, "train")  # a relative data root still gives absolute game paths
+    assert all(Path(t.key).is_absolute() for t in tasks)
     assert [t.key for t in tasks] == sorted(t.key for t in tasks)
     for task in tasks:
         traj = json.loads((Path(task.key).parent / "traj_data.json").read_text())

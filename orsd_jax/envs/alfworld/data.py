@@ -39,7 +39,7 @@ def split_dir(data_dir: str | os.PathLike, split: str) -> Path:
     name = SPLIT_ALIASES.get(split, split)
     if name not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS} or {tuple(SPLIT_ALIASES)}")
-    root = Path(data_dir).expanduser()
+    root = Path(data_dir).expanduser().resolve()  # task keys must work from any working directory
     if not root.is_dir():
         raise GameDataError(f"ALFWorld data directory {root} does not exist")
     path = root / "json_2.1.1" / name

@@ -56,7 +56,8 @@ def build_prompt(
     shown = list(history)[max(0, len(history) - history_length) :] if history_length else []
     first = step_count - len(shown) + 1
     past = "".join(
-        f"\n[Observation {first + k}: '{seen}', Action {first + k}: '{action}']" for k, (seen, action) in enumerate(shown)
+        f"\n[Observation {first + k}: '{seen}', Action {first + k}: '{action}']"
+        for k, (seen, action) in enumerate(shown)
     )
     if shown:
         past = f" Your last {len(shown)} observation(s) and the action taken after each:{past}"
