@@ -1,0 +1,248 @@
+"""``Sampler`` backed by a vLLM server process.
+
+Prompts go as token ids to ``/v1/completions``, one request per prompt, sent concurrently (the
+server batches them); each answer carries the output token ids and the log-prob of every
+sampled token under the processed distribution (``--logprobs-mode processed_logprobs``; with
+greedy decoding vLLM reports the unscaled log-probs). Generation ends only on
+``params.stop_token_ids`` or stop strings (EOS is not implicit, as in ``JaxSampler``).
+
+Weights are pushed as a Hugging Face safetensors directory that the server reloads in place
+(``/collective_rpc reload_weights``, dev mode), followed by a prefix-cache reset so no KV
+computed with the old weights is reused. A server that dies is restarted with the latest
+pushed weights and the failed requests are sent once more.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Callable, Sequence
+
+import requests
+
+from orsd_jax.models import ModelConfig, save_hf
+from orsd_jax.sampling.base import Completion, SamplingError, SamplingParams, validate_prompts
+from orsd_jax.sampling.vllm_server import ServerError, ServerOptions, VLLMServer
+
+# ModelConfig fields that decide the tensors and the numerics; the rest (token ids, dtypes)
+# may differ between the pushed model and the served one.
+_SERVED_FIELDS = (
+    "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+    "num_kv_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rms_norm_eps",
+)
+
+
+class _ServerDown(Exception):
+    """A request got no answer, or a 5xx: the server may have died."""
+
+
+class VLLMSampler:
+    """``Sampler`` on a vLLM server: started here from a model directory, or a given ``VLLMServer``.
+
+    A server given as an object is used but not closed here (its owner closes it). Pushed
+    weights go to ``scratch_dir`` (a temporary directory, removed on ``close()``, when not
+    given); only the latest pushed version is kept there.
+    """
+
+    def __init__(
+        self,
+        model_dir_or_server: str | os.PathLike | VLLMServer,
+        tokenizer,
+        *,
+        scratch_dir: str | os.PathLike | None = None,
+        options: ServerOptions = ServerOptions(),
+        max_concurrency: int = 64,
+        request_timeout_s: float = 600.0,
+    ):
+        self.tokenizer = tokenizer
+        self.request_timeout_s = request_timeout_s
+        self._owns_scratch = scratch_dir is None
+        self.scratch_dir = pathlib.Path(scratch_dir or tempfile.mkdtemp(prefix="orsd_weights_"))
+        self.scratch_dir.mkdir(parents=True, exist_ok=True)
+        if isinstance(model_dir_or_server, VLLMServer):
+            self.server, self._owns_server = model_dir_or_server, False
+        else:
+            self.server, self._owns_server = VLLMServer(model_dir_or_server, options), True
+        self.max_model_len = self.server.max_model_len
+        self.weight_version = 0
+        self._initial_dir = self.server.model_dir
+        self._latest_dir: pathlib.Path | None = None  # the latest pushed weights
+        self._http = requests.Session()
+        self._http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=max_concurrency))
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-request")
+
+    # Generation.
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        validate_prompts(prompt_token_ids, self.max_model_len, params)
+        bodies = [self._request(list(map(int, p)), params, i) for i, p in enumerate(prompt_token_ids)]
+        version = self.weight_version
+        answers = self._post_all("/v1/completions", bodies)
+        return [
+            self._completion(choice, version)
+            for answer in answers
+            for choice in sorted(answer["choices"], key=lambda c: c["index"])
+        ]
+
+    def _request(self, prompt: list[int], params: SamplingParams, index: int) -> dict:
+        return {
+            "model": self.server.served_model_name,
+            "prompt": prompt,
+            "max_tokens": min(params.max_new_tokens, self.max_model_len - len(prompt)),
+            "n": params.n,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            # vLLM seeds sample j of a request with seed + j; distinct prompts get distinct seeds
+            # so that G copies of one prompt do not all draw the same sample.
+            "seed": None if params.seed is None else params.seed + index * params.n,
+            "stop": list(params.stop),
+            "include_stop_str_in_output": params.include_stop,
+            "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": True,
+            "logprobs": 0,  # the sampled token's log-prob only
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+        }
+
+    @staticmethod
+    def _completion(choice: dict, version: int) -> Completion:
+        token_ids = tuple(choice["token_ids"])
+        logprobs = tuple(float(x) for x in choice["logprobs"]["token_logprobs"])
+        if len(logprobs) != len(token_ids) or choice["finish_reason"] not in ("stop", "length"):
+            raise ServerError(
+                f"unexpected completion from vLLM: {len(token_ids)} tokens, {len(logprobs)} log-probs, "
+                f"finish_reason {choice['finish_reason']!r}"
+            )
+        return Completion(token_ids, logprobs, choice["text"], choice["finish_reason"], version)
+
+    # Weights.
+
+    def push_weights(self, model, version: int) -> None:
+        """Serves ``model``'s weights as ``version`` from now on (versions must increase)."""
+        if version <= self.weight_version:
+            raise SamplingError(f"weight versions must increase: serving {self.weight_version}, got {version}")
+        self._check_config(model.config)
+        directory = self._write(model, version)
+        try:
+            self._with_recovery(lambda: self._reload(directory))
+        except BaseException as err:
+            shutil.rmtree(directory)
+            if not isinstance(err, ServerError):
+                raise
+            # A failed in-place reload can leave the weights half replaced: start clean.
+            self.server.restart(self._serving_dir)
+            raise ServerError(
+                f"the server failed to load weights version {version} ({err}); "
+                f"it was restarted and serves version {self.weight_version}"
+            ) from err
+        previous, self._latest_dir, self.weight_version = self._latest_dir, directory, version
+        if previous is not None:
+            shutil.rmtree(previous)
+
+    @property
+    def _serving_dir(self) -> pathlib.Path:
+        return self._latest_dir or self._initial_dir
+
+    def _reference_dir(self) -> pathlib.Path:
+        """The directory the server started from: the architecture pushed weights must fit."""
+        if self._initial_dir is None:
+            raise SamplingError(
+                f"the server at {self.server.url} does not serve a local model directory: "
+                "its weights cannot be checked or replaced from here"
+            )
+        return self._initial_dir
+
+    def _check_config(self, config: ModelConfig) -> None:
+        served = ModelConfig.from_hf_config(json.loads((self._reference_dir() / "config.json").read_text()))
+        diff = [
+            f"{name} {getattr(config, name)!r} (served: {getattr(served, name)!r})"
+            for name in _SERVED_FIELDS
+            if getattr(config, name) != getattr(served, name)
+        ]
+        if diff:
+            raise SamplingError(
+                f"the pushed model does not fit the served one ({self._reference_dir()}): " + ", ".join(diff)
+            )
+
+    def _write(self, model, version: int) -> pathlib.Path:
+        """Writes under a temporary name, then renames, so a directory that exists is complete."""
+        final = self.scratch_dir / f"weights-v{version}"
+        partial = self.scratch_dir / f".weights-v{version}.partial"
+        for leftover in (partial, final):
+            shutil.rmtree(leftover, ignore_errors=True)
+        save_hf(model, self.tokenizer, partial)
+        os.replace(partial, final)
+        return final
+
+    def _reload(self, directory: pathlib.Path) -> None:
+        rpc = {"method": "reload_weights_and_tied_head", "kwargs": {"weights_path": str(directory)}}
+        self._post("/collective_rpc", rpc)
+        self._post("/reset_prefix_cache", None)
+
+    # HTTP and recovery.
+
+    def _post(self, path: str, body: dict | None) -> dict:
+        try:
+            response = self._http.post(f"{self.server.url}{path}", json=body, timeout=self.request_timeout_s)
+        except requests.RequestException as err:
+            raise _ServerDown(f"{path}: {err}") from err
+        if response.status_code >= 500:
+            raise _ServerDown(f"{path} answered {response.status_code}: {response.text[:1000]}")
+        if response.status_code != 200:
+            raise SamplingError(f"the vLLM server rejected {path} ({response.status_code}): {response.text[:1000]}")
+        return response.json()
+
+    def _post_all(self, path: str, bodies: list[dict]) -> list[dict]:
+        """Posts concurrently; after a server death, restarts it and re-sends the failed ones once."""
+        futures = [self._pool.submit(self._post, path, body) for body in bodies]
+        answers: list = [f.exception() or f.result() for f in futures]
+        failed = [i for i, a in enumerate(answers) if isinstance(a, BaseException)]
+        if not failed:
+            return answers
+        if any(not isinstance(answers[i], _ServerDown) for i in failed):
+            raise next(answers[i] for i in failed if not isinstance(answers[i], _ServerDown))
+        self._restart_dead_server(answers[failed[0]])
+        retried = [self._pool.submit(self._post, path, bodies[i]) for i in failed]
+        for i, future in zip(failed, retried):
+            answers[i] = self._unwrap(future.result)
+        return answers
+
+    def _with_recovery(self, call: Callable[[], object]) -> object:
+        try:
+            return call()
+        except _ServerDown as err:
+            self._restart_dead_server(err)
+        return self._unwrap(call)
+
+    @staticmethod
+    def _unwrap(call: Callable[[], object]) -> object:
+        try:
+            return call()
+        except _ServerDown as err:
+            raise ServerError(f"the vLLM server failed again after a restart: {err}") from err
+
+    def _restart_dead_server(self, err: _ServerDown) -> None:
+        if self.server.alive():
+            raise ServerError(f"the vLLM server is up but failed a request: {err}") from err
+        self.server.restart(self._serving_dir)
+        self.max_model_len = self.server.max_model_len
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+        if self._owns_server:
+            self.server.close()
+        if self._owns_scratch:
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
+
+    def __enter__(self) -> "VLLMSampler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

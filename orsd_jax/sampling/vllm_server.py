@@ -1,0 +1,231 @@
+"""An OpenAI-compatible vLLM server process, owned by this Python process (or attached to by URL).
+
+The server runs in a session of its own, so its whole tree (API server, engine core, worker,
+multiprocessing helpers) is one process group that ``close()`` signals at once. A watchdog
+process kills that group if the owner dies without running ``close()`` or ``atexit`` (SIGKILL).
+
+Used by the policy sampler (``VLLMSampler``) and by a verifier holding a frozen model, through
+``server.client()`` (an ``openai.OpenAI`` client).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Mapping
+
+import requests
+
+from orsd_jax.sampling import watchdog
+
+HOST = "127.0.0.1"
+# Gives the worker ``reload_weights_and_tied_head`` (see vllm_worker_ext.py), for weight pushes.
+WORKER_EXTENSION = "orsd_jax.sampling.vllm_worker_ext.WeightReload"
+
+
+class ServerError(RuntimeError):
+    """The server could not be started, died, or cannot do what was asked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    served_model_name: str = "policy"
+    max_model_len: int = 4096
+    dtype: str = "auto"  # vLLM's --dtype: auto | float32 | bfloat16 | float16
+    seed: int = 0
+    # Eager skips torch.compile. On a 2-core CPU it starts faster, and decodes as fast as the
+    # compiled mode at the batch sizes measured in benchmarks/sampler.py (see the README).
+    eager: bool = True
+    # Log-probs of the distribution the token was drawn from (after temperature, top-k, top-p).
+    logprobs_mode: str = "processed_logprobs"
+    cpu_kv_cache_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE; ignored on GPU
+    gpu_memory_utilization: float | None = None  # vLLM's default (0.9) when None; GPU only
+    dev_mode: bool = True  # VLLM_SERVER_DEV_MODE: /collective_rpc and /reset_prefix_cache
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    startup_timeout_s: float = 600.0
+    shutdown_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _models(url: str) -> dict:
+    """The first entry of ``/v1/models``: served name, max_model_len, root (the model path)."""
+    response = requests.get(f"{url}/v1/models", timeout=10)
+    response.raise_for_status()
+    return response.json()["data"][0]
+
+
+class VLLMServer:
+    """A vLLM server process on 127.0.0.1 and a free port; ``attach(url)`` owns nothing.
+
+    Attributes: ``url`` (``http://host:port``), ``model_dir`` (the weights it was started
+    with; None for an attached server whose model is not a local directory),
+    ``served_model_name``, ``max_model_len``, ``log_path``, ``owned``.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, options: ServerOptions = ServerOptions(), *, log_path: str | os.PathLike | None = None):
+        self.options = options
+        self.owned = True
+        self.served_model_name = options.served_model_name
+        self.max_model_len = options.max_model_len
+        self.log_path = pathlib.Path(log_path or pathlib.Path(tempfile.mkdtemp(prefix="orsd_vllm_")) / "server.log")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.url = f"http://{HOST}:{_free_port()}"
+        self.model_dir: pathlib.Path | None = None
+        self._proc: subprocess.Popen | None = None
+        self._watchdog: subprocess.Popen | None = None
+        atexit.register(self.close)
+        try:
+            self._launch(pathlib.Path(model_dir))
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def attach(cls, url: str) -> "VLLMServer":
+        """A handle on a server someone else runs: it is never restarted or stopped from here."""
+        self = cls.__new__(cls)
+        self.options, self.owned, self.log_path = None, False, None
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self._proc = self._watchdog = None
+        try:
+            info = _models(self.url)
+        except requests.RequestException as err:
+            raise ServerError(f"no vLLM server answers at {self.url}: {err}") from err
+        self.served_model_name, self.max_model_len = info["id"], int(info["max_model_len"])
+        root = pathlib.Path(info.get("root") or "")
+        self.model_dir = root if root.is_dir() else None
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        """The API server's pid, which is also the process group id of the whole tree."""
+        return self._proc.pid if self._proc else None
+
+    def alive(self) -> bool:
+        if self._proc is not None and self._proc.poll() is not None:
+            return False
+        try:
+            return requests.get(f"{self.url}/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def restart(self, model_dir: str | os.PathLike | None = None) -> None:
+        """Stops the tree and starts it again (on the same port) with ``model_dir`` or the current one."""
+        if not self.owned:
+            raise ServerError(f"the server at {self.url} was attached, not started here: cannot restart it")
+        self._stop()
+        self._launch(pathlib.Path(model_dir) if model_dir is not None else self.model_dir)
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def client(self, **kwargs):
+        """An ``openai.OpenAI`` client for this server (``model=server.served_model_name``)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="EMPTY", **kwargs)
+
+    def close(self) -> None:
+        """Stops the whole process tree (owned servers only); safe to call twice."""
+        if self.owned:
+            self._stop()
+            atexit.unregister(self.close)
+
+    def __enter__(self) -> "VLLMServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _command(self, model_dir: pathlib.Path) -> list[str]:
+        o = self.options
+        port = self.url.rsplit(":", 1)[1]
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir),
+            "--host", HOST,
+            "--port", port,
+            "--served-model-name", o.served_model_name,
+            "--max-model-len", str(o.max_model_len),
+            "--dtype", o.dtype,
+            "--seed", str(o.seed),
+            "--logprobs-mode", o.logprobs_mode,
+            # Sampling defaults from the model's generation_config.json (Qwen3 ships top-k and
+            # top-p) would silently change what requests ask for.
+            "--generation-config", "vllm",
+            "--disable-uvicorn-access-log",
+            "--worker-extension-cls", WORKER_EXTENSION,
+        ]
+        if o.eager:
+            args.append("--enforce-eager")
+        if o.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
+        return args + list(o.extra_args)
+
+    def _launch(self, model_dir: pathlib.Path) -> None:
+        o = self.options
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(o.cpu_kv_cache_gib), **o.env}
+        # The worker imports WORKER_EXTENSION: make this package importable there.
+        package_root = str(pathlib.Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        if o.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== orsd_jax: starting vLLM on {self.url} with {model_dir}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self._command(model_dir), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True,
+            )
+        self._watchdog = subprocess.Popen(
+            [sys.executable, watchdog.__file__, str(os.getpid()), str(self._proc.pid), str(o.shutdown_grace_s)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
+        )
+        self.model_dir = model_dir
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while not self.alive():
+            code = self._proc.poll()
+            if code is not None:
+                self._stop()
+                raise ServerError(
+                    f"the vLLM server exited with code {code} while starting; the end of {self.log_path}:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self._stop()
+                raise ServerError(
+                    f"the vLLM server did not answer /health within {self.options.startup_timeout_s:.0f} s; "
+                    f"the end of {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+        info = _models(self.url)
+        self.max_model_len = int(info["max_model_len"])
+
+    def _stop(self) -> None:
+        """SIGTERM to the group, SIGKILL after the grace period; then the watchdog goes too."""
+        if self._proc is not None:
+            watchdog.kill_group(self._proc.pid, self.options.shutdown_grace_s, reap=self._proc.poll)
+            self._proc.wait()
+            self._proc = None
+        if self._watchdog is not None:
+            self._watchdog.kill()
+            self._watchdog.wait()
+            self._watchdog = None

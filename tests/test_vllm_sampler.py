@@ -1,0 +1,359 @@
+"""VLLMSampler against a real vLLM server on the embedded model.
+
+Oracles: transformers' ``generate`` (greedy tokens) and the orsd_jax model (log-probs). One
+server is shared by the module; the kill test restarts it (and so runs last), and the orphan
+test starts its own in a child process.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import psutil
+import pytest
+import requests
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM
+
+from orsd_jax import chat
+from orsd_jax.models import EMBEDDED, CausalLM, load_model, resolve
+from orsd_jax.sampling import SamplingError, SamplingParams
+from orsd_jax.sampling.vllm_sampler import VLLMSampler
+from orsd_jax.sampling.vllm_server import ServerError, ServerOptions, VLLMServer
+
+pytestmark = pytest.mark.slow
+
+OPTIONS = ServerOptions(max_model_len=1024, cpu_kv_cache_gib=1, dtype="float32")
+TEXTS = [
+    "Write a short story about a cat who learns to fly.",
+    "Explain why the sky is blue.",
+    "Give me a recipe for pancakes.",
+]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_model(EMBEDDED)
+
+
+@pytest.fixture(scope="module")
+def served_dir(tmp_path_factory) -> pathlib.Path:
+    """The embedded model with sampling defaults in generation_config.json that would change
+    greedy outputs (repetition penalty) and sampled ones if the server applied them."""
+    out = tmp_path_factory.mktemp("served")
+    for f in resolve(EMBEDDED).iterdir():
+        if f.name != "generation_config.json":
+            (out / f.name).symlink_to(f.resolve())
+    defaults = {"bos_token_id": 1, "eos_token_id": 2, "repetition_penalty": 1.5, "top_k": 3, "min_p": 0.2}
+    (out / "generation_config.json").write_text(json.dumps(defaults))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sampler(embedded, served_dir):
+    with VLLMSampler(served_dir, embedded[1], options=OPTIONS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded):
+    tokenizer = embedded[1]
+    fmt = chat.chat_format(tokenizer)
+    return [chat.prompt_ids(fmt, tokenizer, text) for text in TEXTS], fmt.stop_token_ids
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Decoding one sequence gains nothing from a second thread, and loses several times over
+    when the cores are busy (as they are with the server beside it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def greedy(stop_token_ids, max_new_tokens=32) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+
+
+WIDTH = 128  # reference batches are padded to one shape so each jitted function compiles once
+
+
+@nnx.jit
+def _token_logprobs(model, ids):
+    return model.token_logprobs(ids[:, :-1], ids[:, 1:])[0]
+
+
+@nnx.jit
+def _logits(model, ids):
+    return model(ids)
+
+
+def padded(prompts, completions) -> np.ndarray:
+    ids = np.zeros((len(prompts), WIDTH), np.int32)
+    for row, prompt, completion in zip(ids, prompts, completions):
+        sequence = list(prompt) + list(completion.token_ids)
+        row[: len(sequence)] = sequence
+    return ids
+
+
+def completion_rows(values: np.ndarray, prompts, completions) -> list[np.ndarray]:
+    """Per completion, the values at the positions that predict its tokens."""
+    return [v[len(p) - 1 : len(p) - 1 + len(c.token_ids)] for v, p, c in zip(values, prompts, completions)]
+
+
+def our_logprobs(model, prompts, completions) -> list[np.ndarray]:
+    """The orsd_jax model's log-probs of the completion tokens (temperature 1)."""
+    logp = np.asarray(_token_logprobs(model, jnp.asarray(padded(prompts, completions))))
+    return completion_rows(logp, prompts, completions)
+
+
+def completions_posted(server: VLLMServer) -> float:
+    metrics = requests.get(f"{server.url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("http_requests_total") and 'handler="/v1/completions"' in line
+    )
+
+
+def test_greedy_matches_transformers_and_logprobs_match_ours(sampler, embedded, prompts):
+    model, _ = embedded
+    ids, stops = prompts
+    out = sampler.generate(ids, greedy(stops))
+    reference = AutoModelForCausalLM.from_pretrained(resolve(EMBEDDED), dtype=torch.float32).eval()
+    for prompt, completion, ours in zip(ids, out, our_logprobs(model, ids, out)):
+        with one_torch_thread():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt) :]
+        assert list(completion.token_ids) == expected.tolist()
+        assert len(completion.token_ids) == 32 and completion.finish_reason == "length"
+        np.testing.assert_allclose(completion.logprobs, ours, atol=1e-3)
+        assert completion.weight_version == 0
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, -1), (0.7, 20)])
+def test_sampled_logprobs_are_those_of_the_processed_distribution(sampler, embedded, prompts, temperature, top_k):
+    model, _ = embedded
+    ids, stops = prompts
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=24, seed=7, stop_token_ids=stops)
+    out = sampler.generate(ids, params)
+    all_logits = completion_rows(np.asarray(_logits(model, jnp.asarray(padded(ids, out)))), ids, out)
+    for completion, logits in zip(out, all_logits):
+        logits = logits / temperature
+        if top_k > 0:
+            kth = np.sort(logits, axis=-1)[:, -top_k][:, None]
+            logits = np.where(logits < kth, -np.inf, logits)
+        expected = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+        expected = expected[np.arange(len(completion.token_ids)), completion.token_ids]
+        np.testing.assert_allclose(completion.logprobs, expected, atol=1e-3)
+    if top_k < 0:  # at T = 1 they are the model's own log-probs: the ratio the trainer forms
+        for completion, ours in zip(out, our_logprobs(model, ids, out)):
+            np.testing.assert_allclose(completion.logprobs, ours, atol=1e-3)
+
+
+def same_samples(a, b) -> bool:
+    """Same tokens, and log-probs equal up to float noise (batch composition may differ)."""
+    return [c.token_ids for c in a] == [c.token_ids for c in b] and all(
+        np.allclose(x.logprobs, y.logprobs, atol=1e-4) for x, y in zip(a, b)
+    )
+
+
+def test_n_seed_and_prompt_major_order(sampler, prompts):
+    ids, stops = prompts
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3, n=2, stop_token_ids=stops)
+    twice = [ids[0], ids[0]]
+    out = sampler.generate(twice, params)
+    assert len(out) == 4
+    assert same_samples(out, sampler.generate(twice, params))  # seeded: reproducible
+    assert len({c.token_ids for c in out}) == 4  # each sample of each prompt draws its own
+    # Prompt-major: the samples of prompt 1 alone are the last two of a two-prompt call.
+    mixed = sampler.generate([ids[1], ids[2]], params)
+    single = sampler.generate([ids[2]], dataclasses.replace(params, seed=3 + 2))
+    assert same_samples(mixed[2:], single)
+
+
+def test_stop_tokens_stop_strings_and_clamping(sampler, embedded, prompts):
+    _, tokenizer = embedded
+    ids, stops = prompts
+    fmt = chat.chat_format(tokenizer)
+    short = chat.prompt_ids(fmt, tokenizer, "Say hi.")
+    [done] = sampler.generate([short], greedy(stops, max_new_tokens=100))
+    assert done.finish_reason == "stop" and done.token_ids[-1] in stops and "<|im_end|>" not in done.text
+    # EOS is not implicit: without stop tokens generation runs on past the end of the turn.
+    [ongoing] = sampler.generate([short], greedy((), max_new_tokens=len(done.token_ids) + 5))
+    assert ongoing.token_ids[: len(done.token_ids)] == done.token_ids and ongoing.finish_reason == "length"
+    # A stop string cuts the text before it, keeping the tokens up to the one completing it.
+    [full] = sampler.generate(ids[:1], greedy(stops))
+    word = full.text.split()[3]
+    [cut] = sampler.generate(ids[:1], dataclasses.replace(greedy(stops), stop=(word,)))
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(word)]
+    assert word in tokenizer.decode(cut.token_ids) and cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    [kept] = sampler.generate(ids[:1], dataclasses.replace(greedy(stops), stop=(word,), include_stop=True))
+    assert kept.text == full.text[: full.text.index(word) + len(word)] and kept.token_ids == cut.token_ids
+    # max_new_tokens is clamped to the room left in the context.
+    long = (ids[0] * 100)[: sampler.max_model_len - 3]
+    [clamped] = sampler.generate([long], greedy((), max_new_tokens=50))
+    assert len(clamped.token_ids) == 3 and clamped.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], SamplingParams(), "prompt 1 is empty"),
+        ([5] * 1024, SamplingParams(), "prompt 1 has 1024 tokens; .* no room to generate"),
+        ([5], SamplingParams(temperature=-1), "temperature"),
+        ([5], SamplingParams(top_p=0), "top_p"),
+        ([5], SamplingParams(top_k=0), "top_k"),
+        ([5], SamplingParams(n=0), "n must be positive"),
+        ([5], SamplingParams(stop=("",)), "stop strings"),
+    ],
+)
+def test_bad_requests_fail_before_reaching_the_server(sampler, prompt, params, message):
+    before = completions_posted(sampler.server)
+    with pytest.raises(SamplingError, match=message):
+        sampler.generate([[1, 2], prompt], params)
+    assert completions_posted(sampler.server) == before
+
+
+def perturbed(model: CausalLM, seed: int, scale: float = 0.05) -> CausalLM:
+    """The model with Gaussian noise (``scale`` times each parameter's spread) on every weight:
+    different outputs that stay confident, so greedy decoding does not hinge on float noise."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
+
+
+def test_weight_push(sampler, embedded, prompts):
+    model, _ = embedded
+    ids, stops = prompts
+    first = sampler.generate(ids, greedy(stops, max_new_tokens=16))
+    # Randomly perturbed weights (the embedding too, which the head shares): the server's
+    # log-probs are those of the pushed model.
+    noisy = perturbed(model, 1)
+    sampler.push_weights(noisy, version=1)
+    changed = sampler.generate(ids, greedy(stops, max_new_tokens=16))
+    assert all(c.weight_version == 1 for c in changed)
+    assert [c.token_ids for c in changed] != [c.token_ids for c in first]
+    for completion, ours in zip(changed, our_logprobs(noisy, ids, changed)):
+        np.testing.assert_allclose(completion.logprobs, ours, atol=1e-3)
+    sampler.push_weights(model, version=2)
+    assert same_samples(sampler.generate(ids, greedy(stops, max_new_tokens=16)), first)
+    assert sorted(p.name for p in sampler.scratch_dir.iterdir()) == ["weights-v2"]
+
+    with pytest.raises(SamplingError, match="versions must increase"):
+        sampler.push_weights(model, version=2)
+    wrong = CausalLM(dataclasses.replace(model.config, num_layers=2, intermediate_size=64), nnx.Rngs(0))
+    with pytest.raises(SamplingError, match=r"intermediate_size 64 \(served: 1536\), num_layers 2 \(served: 30\)"):
+        sampler.push_weights(wrong, version=3)
+    assert sampler.weight_version == 2 and sorted(p.name for p in sampler.scratch_dir.iterdir()) == ["weights-v2"]
+    assert same_samples(sampler.generate(ids, greedy(stops, max_new_tokens=16)), first)
+
+
+def test_server_that_fails_to_start_quotes_its_log(served_dir):
+    with pytest.raises(ServerError, match="(?s)exited with code .*no-such-flag"):
+        VLLMServer(served_dir, dataclasses.replace(OPTIONS, extra_args=("--no-such-flag",)))
+
+
+def server_tree(server: VLLMServer) -> list[psutil.Process]:
+    root = psutil.Process(server.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def describe(processes: list[psutil.Process]) -> str:
+    """Names and command lines of those still there."""
+    out = []
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out.append(f"{p.name()}: {' '.join(p.cmdline())}")
+    return "\n".join(out)
+
+
+def wait_gone(processes: list[psutil.Process], deadline_s: float) -> list[psutil.Process]:
+    """The processes still running after ``deadline_s`` (zombies count as gone)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        left = []
+        for p in processes:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.2)
+
+
+def test_killed_server_restarts_with_latest_weights_and_close_leaves_nothing(sampler, embedded, prompts):
+    """Runs last among the tests on the shared server: it kills that server."""
+    model, _ = embedded
+    ids, stops = prompts
+    params = greedy(stops, max_new_tokens=48)
+    original = sampler.generate(ids, params)
+    sampler.push_weights(perturbed(model, 5), version=10)
+    expected = sampler.generate(ids, params)
+    assert [c.token_ids for c in expected] != [c.token_ids for c in original]
+    old_tree = server_tree(sampler.server)
+    # Kill the API server while a batch is being generated.
+    killer = threading.Timer(1.0, os.kill, (sampler.server.pid, signal.SIGKILL))
+    killer.start()
+    out = sampler.generate(ids, params)
+    killer.join()
+    assert not wait_gone(old_tree, 30), "the killed server's tree was not cleaned up"
+    assert sampler.server.pid != old_tree[0].pid and sampler.server.alive()
+    assert same_samples(out, expected) and all(c.weight_version == 10 for c in out)
+    tree = server_tree(sampler.server)
+    sampler.close()
+    assert not wait_gone(tree, 5)
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
+    server = VLLMServer(sys.argv[1], ServerOptions(**json.loads(sys.argv[2])))
+    print(server.pid, flush=True)
+    time.sleep(3600)
+    """
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def owner(served_dir):
+    """A child process that owns a server, started with the module so that its server's startup
+    overlaps the shared one's; ``test_no_orphans_after_the_owner_is_killed`` kills it."""
+    options = {"max_model_len": 256, "cpu_kv_cache_gib": 1, "dtype": "float32", "startup_timeout_s": 400}
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(served_dir), json.dumps(options)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    yield child
+    child.kill()
+    child.wait()
+
+
+def test_no_orphans_after_the_owner_is_killed(owner):
+    line = owner.stdout.readline()  # the server's pid, once it answers /health
+    assert line.strip().isdigit(), f"the child did not start a server (exit code {owner.poll()})"
+    tree = psutil.Process(owner.pid).children(recursive=True)
+    names = describe(tree)
+    assert all(name in names for name in ("watchdog.py", "vllm.entrypoints.openai.api_server", "VLLM::EngineCore", "VLLM::Worker"))
+    owner.kill()
+    owner.wait()
+    assert not wait_gone(tree, 30), f"processes left behind after the owner was killed:\n{describe(tree)}"
