@@ -27,16 +27,11 @@ class PidEnv:
 
 
 @pytest.mark.parametrize("n_envs, n_workers", [(6, 2), (7, 3)])
-def test_consecutive_environments_share_a_worker(n_envs, n_workers):
+def test_environments_are_spread_evenly_over_the_workers(n_envs, n_workers):
     with EnvPool(PidEnv, n_envs, n_workers=n_workers) as pool:
         pids = [s.observation for s in pool.reset([TASK] * n_envs)]
-    runs = [pids[0]]
-    for pid in pids[1:]:
-        if pid != runs[-1]:
-            runs.append(pid)
-    assert len(runs) == len(set(runs)) == n_workers  # one contiguous block per worker
-    sizes = [pids.count(pid) for pid in runs]
-    assert max(sizes) - min(sizes) <= 1
+    sizes = [pids.count(pid) for pid in set(pids)]
+    assert len(sizes) == n_workers and max(sizes) - min(sizes) <= 1 and os.getpid() not in map(int, pids)
 
 
 def test_steps_reach_their_environment_and_none_skips():

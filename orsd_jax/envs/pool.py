@@ -61,10 +61,8 @@ class EnvPool:
             raise ValueError(f"n_envs must be at least 1, got {n_envs}")
         n_workers = max(1, min(n_envs, n_workers or os.cpu_count() or 1))
         ctx = mp.get_context("spawn")
-        # Consecutive environments share a worker (i * n_workers // n_envs), so the copies of one
-        # task in a group meet the same per-process caches (ALFWorld reuses a game's translation).
-        worker_of = [i * n_workers // n_envs for i in range(n_envs)]
-        self._owner = [(w, worker_of[:i].count(w)) for i, w in enumerate(worker_of)]
+        # Environment i lives in worker i % n_workers at local index i // n_workers.
+        self._owner = [(i % n_workers, i // n_workers) for i in range(n_envs)]
         self.n_envs = n_envs
         self._conns, self._procs = [], []
         for w in range(n_workers):
