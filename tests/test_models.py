@@ -1,5 +1,6 @@
 """The decoder against transformers' PyTorch models, checkpoints in and out, bad input."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -265,3 +266,25 @@ def test_chat_prompt_ids_match_template_and_share_prefix(embedded):
     assert with_insert[:shared] == without[:shared] and with_insert[-len(fmt.tail):] == list(fmt.tail)
     assert tokenizer.decode(with_insert).endswith("be quick<|im_end|>\n<|im_start|>assistant\n")
     assert fmt.stop_token_ids[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_frozen_layers_get_no_gradient_and_leave_the_rest_unchanged(tiny):
+    _, _, model = tiny
+    ids = jnp.asarray(np.random.RandomState(8).randint(0, 160, (2, 9)))
+    frozen = CausalLM(dataclasses.replace(model.config, frozen_layers=2), nnx.Rngs(0))
+    nnx.update(frozen, nnx.state(model))
+
+    def grads(m):
+        graphdef, params = nnx.split(m)
+        return jax.grad(lambda p: nnx.merge(graphdef, p).token_logprobs(ids, ids)[0].sum())(params)
+
+    full, part = grads(model), grads(frozen)
+    for (path, g_full), (_, g_part) in zip(nnx.to_flat_state(full), nnx.to_flat_state(part)):
+        g_full, g_part = np.asarray(g_full[...]), np.asarray(g_part[...])
+        if path[0] == "layers":
+            np.testing.assert_array_equal(g_part[:2], 0)
+            np.testing.assert_allclose(g_part[2:], g_full[2:], atol=1e-6, rtol=1e-5)
+        elif path[0] == "embed":  # untied: reachable only through the frozen layers; tied: the head's share
+            assert (np.abs(g_part).max() > 0) == model.config.tie_word_embeddings
+        else:
+            np.testing.assert_allclose(g_part, g_full, atol=1e-6, rtol=1e-5)

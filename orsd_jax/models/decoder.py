@@ -49,7 +49,8 @@ class ModelConfig:
     # Not part of the checkpoint: how this process stores and computes.
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    remat: bool = False
+    remat: bool = False  # recompute each layer in the backward pass instead of storing activations
+    frozen_layers: int = 0  # the first N layers (and the embedding) get no gradient: a cheap CPU fine-tune
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -58,6 +59,8 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 0 <= self.frozen_layers <= self.num_layers:
+            raise ValueError(f"frozen_layers must be in [0, {self.num_layers}], got {self.frozen_layers}")
 
     @property
     def qk_norm(self) -> bool:
@@ -311,8 +314,17 @@ class CausalLM(nnx.Module):
 
         if self.config.remat:
             body = jax.checkpoint(body)
-        x, new_cache = jax.lax.scan(body, x, (layer_state, None if cache is None else tuple(cache)))
-        return self.final_norm(x), (None if cache is None else KVCache(*new_cache))
+        if cache is not None:
+            x, new_cache = jax.lax.scan(body, x, (layer_state, tuple(cache)))
+            return self.final_norm(x), KVCache(*new_cache)
+        k = self.config.frozen_layers
+        if k:
+            # No gradient reaches the first k layers, so the backward pass skips them entirely.
+            frozen = jax.tree.map(lambda a: a[:k], layer_state)
+            x = jax.lax.stop_gradient(jax.lax.scan(body, jax.lax.stop_gradient(x), (frozen, None))[0])
+            layer_state = jax.tree.map(lambda a: a[k:], layer_state)
+        x, _ = jax.lax.scan(body, x, (layer_state, None))
+        return self.final_norm(x), None
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """``[..., D] -> float32[..., V]``."""
@@ -337,23 +349,37 @@ class CausalLM(nnx.Module):
     ) -> tuple[jax.Array, jax.Array | None]:
         """``log p(targets[b, t] | input_ids[b, :t+1])`` as ``float32[B, T]``, never building ``[B, T, V]``.
 
-        Logits are computed ``chunk_size`` positions at a time under ``jax.checkpoint``, so forward
-        and backward hold at most ``[B, chunk_size, V]``. Logits are divided by ``temperature``
-        (to match a sampler's processed log-probs). Also returns the entropy ``[B, T]`` if asked.
+        See ``logprobs_from_hidden``; also returns the entropy ``[B, T]`` if asked.
         """
         hidden, _ = self.hidden_states(input_ids, positions, segment_ids, mask=mask)
+        return self.logprobs_from_hidden(hidden, targets, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy)
+
+    def logprobs_from_hidden(
+        self,
+        hidden: jax.Array,
+        targets: jax.Array,
+        *,
+        chunk_size: int = 256,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """Log-probs of ``targets [B, T]`` under the logits of ``hidden [B, T, D]`` (and entropies).
+
+        Logits are computed ``chunk_size`` positions at a time under ``jax.checkpoint``, so forward
+        and backward hold at most ``[B, chunk_size, V]``. Logits are divided by ``temperature``
+        (to match a sampler's processed log-probs).
+        """
         b, t, d = hidden.shape
         chunk = min(chunk_size, t)
         n_chunks = -(-t // chunk)
         pad = n_chunks * chunk - t
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, chunk, d)
         targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk)
-        w = self.unembedding.astype(hidden.dtype)
 
         @jax.checkpoint
         def one_chunk(args):
             h, tgt = args
-            logits = jnp.einsum("bcd,vd->bcv", h, w, preferred_element_type=jnp.float32) / temperature
+            logits = self.logits(h) / temperature
             lse = jax.nn.logsumexp(logits, axis=-1)
             logp = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
             if not with_entropy:
