@@ -3,14 +3,12 @@ groups stepped in worker processes, checked against the engine and a sequential 
 
 import functools
 import json
-import os
 import pickle
-import signal
 from pathlib import Path
 
 import pytest
 
-from orsd_jax.envs import EnvPool, EnvWorkerError, Task, parse_action
+from orsd_jax.envs import EnvPool, Task, parse_action
 from orsd_jax.envs.alfworld import EASY, AlfworldEnv, GameDataError, build_prompt, generate, load_split
 from orsd_jax.envs.alfworld.engine import NOTHING_HAPPENS
 
@@ -137,13 +135,3 @@ def test_groups_in_worker_processes_match_sequential_play(tasks):
     assert all(step.won for step in finals)
     assert parallel[0][0] == parallel[0][1] == parallel[0][2]  # a group starts from one state
 
-
-def test_a_dead_worker_is_reported(tasks):
-    pool = EnvPool(AlfworldEnv, 2, n_workers=2)
-    try:
-        pool.reset(tasks[:2])
-        os.kill(pool._procs[1].pid, signal.SIGKILL)
-        with pytest.raises(EnvWorkerError, match="worker 1"):
-            pool.step(["look", "look"])
-    finally:
-        pool.close()
