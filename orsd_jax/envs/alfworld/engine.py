@@ -8,8 +8,8 @@ its own copy of the planner library, so several engines can live in one process.
 TextWorld translates the game's PDDL to Fast Downward's SAS format twice on ``load`` and twice
 again on every ``reset`` (0.2-2 s each on official-size rooms). The translation is a pure
 function of its text arguments, so ``make_engine`` memoises the last few results: a reset of a
-game already loaded in this process (the first reset after ``load``, or another member of a
-group) then skips it. The cached task objects are only read by TextWorld.
+game already loaded in this process (the first reset after ``load``, or another copy of the game
+in the same worker) then skips it. The cached task objects are only read by TextWorld.
 """
 
 from __future__ import annotations
