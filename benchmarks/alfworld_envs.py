@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from orsd_jax.envs.alfworld import TASK_TYPES, AlfworldEnv, generate, load_split
+from orsd_jax.envs.alfworld import TASK_TYPES, AlfworldEnv, generate_games, load_split
 from orsd_jax.envs.pool import EnvPool
 
 
@@ -34,7 +34,7 @@ def generation_run(difficulty: str, n_train: int, n_unseen: int, seed: int) -> t
     """Seconds to generate, and per train game its walkthrough length, receptacles and objects."""
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        generate(out, {"train": n_train, "valid_unseen": n_unseen}, seed, difficulty, workers=2)
+        generate_games(out, {"train": n_train, "valid_unseen": n_unseen}, seed, difficulty, workers=2)
         seconds = time.perf_counter() - start
         games = []
         for task in load_split(out, "train"):
@@ -85,7 +85,7 @@ def play(stepper, tasks, rounds: int, seed: int) -> tuple[float, float, int]:
 
 def bench_stepping(difficulty: str, args) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as root:
-        generate(root, {"train": args.envs // args.group}, args.seed, difficulty, workers=1)
+        generate_games(root, {"train": args.envs // args.group}, args.seed, difficulty, workers=1)
         games = load_split(root, "train")
         tasks = [task for task in games for _ in range(args.group)]
         start = time.perf_counter()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from alfworld.agents.environment.alfred_tw_env import AlfredTWEnv
 
-from orsd_jax.envs.alfworld import EASY, SPLITS, GameDataError, default_games, generate, load_split
+from orsd_jax.envs.alfworld import EASY, SPLITS, GameDataError, default_games, generate_games, load_split
 from orsd_jax.envs.alfworld import data as data_module
 from orsd_jax.envs.alfworld.tasks import SHORT_NAMES
 
@@ -16,7 +16,7 @@ from orsd_jax.envs.alfworld.tasks import SHORT_NAMES
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data")
-    generate(path, {"train": 8}, seed=21, difficulty=EASY, workers=1)
+    generate_games(path, {"train": 8}, seed=21, difficulty=EASY, workers=1)
     return path
 
 
@@ -96,7 +96,7 @@ def test_default_games_are_generated_once_and_cached(tmp_path, monkeypatch):
     def no_generation(*args, **kwargs):
         raise AssertionError("generated again")
 
-    monkeypatch.setattr(data_module, "generate", no_generation)
+    monkeypatch.setattr(data_module, "generate_games", no_generation)
     assert default_games("easy", seed=4, n_train=6, n_eval=3) == path
     with pytest.raises(AssertionError):
         default_games("easy", seed=5, n_train=6, n_eval=3)  # another seed is another set

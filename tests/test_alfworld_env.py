@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from orsd_jax.envs import EnvPool, Task, parse_action
-from orsd_jax.envs.alfworld import EASY, AlfworldEnv, GameDataError, build_prompt, generate, load_split
+from orsd_jax.envs.alfworld import EASY, AlfworldEnv, GameDataError, build_prompt, generate_games, load_split
 from orsd_jax.envs.alfworld.engine import NOTHING_HAPPENS
 
 
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory) -> list[Task]:
     root = tmp_path_factory.mktemp("games")
-    generate(root, {"train": 4}, seed=11, difficulty=EASY, workers=1)
+    generate_games(root, {"train": 4}, seed=11, difficulty=EASY, workers=1)
     return load_split(root, "train")
 
 

@@ -13,7 +13,7 @@ import pytest
 from alfworld.agents.environment.alfred_tw_env import AlfredTWEnv
 from alfworld.gen import constants
 
-from orsd_jax.envs.alfworld import EASY, STANDARD, TASK_TYPES, Difficulty, generate, get_difficulty, load_split
+from orsd_jax.envs.alfworld import EASY, STANDARD, TASK_TYPES, Difficulty, generate_games, get_difficulty, load_split
 from orsd_jax.envs.alfworld.engine import NOTHING_HAPPENS, make_engine
 from orsd_jax.envs.alfworld.generate import main
 from orsd_jax.envs.alfworld.generation import task_type_plan
@@ -37,7 +37,7 @@ def easy_roots(tmp_path_factory) -> dict[int, Path]:
     roots = {}
     for seed in SEEDS:
         roots[seed] = tmp_path_factory.mktemp(f"easy{seed}")
-        generate(roots[seed], {"train": 6, "valid_unseen": 6}, seed, UNIFORM_EASY, workers=1)
+        generate_games(roots[seed], {"train": 6, "valid_unseen": 6}, seed, UNIFORM_EASY, workers=1)
     return roots
 
 
@@ -72,7 +72,7 @@ def test_every_task_type_is_won_by_its_walkthrough(easy_roots, engine, seed):
 
 
 def test_standard_games_are_won_by_their_walkthrough(tmp_path, engine):
-    generate(tmp_path, {"train": 6}, seed=0, difficulty=STANDARD, workers=1)
+    generate_games(tmp_path, {"train": 6}, seed=0, difficulty=STANDARD, workers=1)
     tasks = load_split(tmp_path, "train")
     assert {t.task_type for t in tasks} == set(TASK_TYPES)
     for task in tasks:
@@ -104,7 +104,7 @@ def test_official_loader_collects_the_generated_split(easy_roots, split):
 
 
 def test_generation_is_reproducible(tmp_path, easy_roots):
-    generate(tmp_path / "again", {"train": 6, "valid_unseen": 6}, 0, UNIFORM_EASY, workers=2)
+    generate_games(tmp_path / "again", {"train": 6, "valid_unseen": 6}, 0, UNIFORM_EASY, workers=2)
     comparison = filecmp.dircmp(easy_roots[0], tmp_path / "again")
     assert _identical_trees(comparison)
     first = {Path(t.key).read_bytes() for t in load_split(easy_roots[0], "train")}
@@ -119,7 +119,7 @@ def _identical_trees(cmp: filecmp.dircmp) -> bool:
 
 
 def test_unseen_split_uses_new_scenes_and_pairs(tmp_path):
-    generate(tmp_path, {"train": 30, "valid_unseen": 30}, seed=3, difficulty=EASY, workers=1)
+    generate_games(tmp_path, {"train": 30, "valid_unseen": 30}, seed=3, difficulty=EASY, workers=1)
     keys = {split: [_traj(t.key) for t in load_split(tmp_path, split)] for split in ("train", "valid_unseen")}
 
     def pair(traj):
@@ -140,7 +140,7 @@ def test_easy_games_are_short_and_standard_games_longer(tmp_path):
     lengths, receptacles = {}, {}
     for difficulty in (EASY, STANDARD):
         root = tmp_path / difficulty.name
-        generate(root, {"train": 24}, seed=0, difficulty=difficulty, workers=1)
+        generate_games(root, {"train": 24}, seed=0, difficulty=difficulty, workers=1)
         trajs = [(_game(t.key), _traj(t.key)) for t in load_split(root, "train")]
         lengths[difficulty.name] = statistics.mean(len(game["walkthrough"]) for game, _ in trajs)
         receptacles[difficulty.name] = [traj["generator"]["receptacles"] for _, traj in trajs]
@@ -191,4 +191,4 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="receptacles"):
         Difficulty("x", (5, 3), None, (1, 1), "any", True, (1,) * 6)
     with pytest.raises(ValueError, match="unknown split"):
-        generate("unused", {"test": 1}, seed=0)
+        generate_games("unused", {"test": 1}, seed=0)

@@ -10,7 +10,7 @@ from orsd_jax.envs.alfworld.data import (
 )
 from orsd_jax.envs.alfworld.difficulty import EASY, HARD, PRESETS, STANDARD, Difficulty, get_difficulty
 from orsd_jax.envs.alfworld.env import MAX_STEPS, WIN_REWARD, AlfworldEnv
-from orsd_jax.envs.alfworld.generation import SPLITS, generate
+from orsd_jax.envs.alfworld.generation import SPLITS, generate_games
 from orsd_jax.envs.alfworld.metrics import success_markdown, success_table
 from orsd_jax.envs.alfworld.prompts import HISTORY_LENGTH, INVALID_ACTION_PENALTY, build_prompt
 from orsd_jax.envs.alfworld.tasks import COLUMNS, TASK_TYPES
@@ -34,7 +34,7 @@ __all__ = [
     "GameDataError",
     "build_prompt",
     "default_games",
-    "generate",
+    "generate_games",
     "get_difficulty",
     "load_split",
     "success_markdown",

@@ -1,7 +1,7 @@
 """ALFWorld splits on disk: collected with the official loader's rules, or generated once and cached.
 
 A data root holds ``json_2.1.1/{train,valid_seen,valid_unseen}`` (what ``alfworld-download`` puts
-in ``$ALFWORLD_DATA``, or what ``generate`` writes). ``load_split`` keeps a game when, as in
+in ``$ALFWORLD_DATA``, or what ``generate_games`` writes). ``load_split`` keeps a game when, as in
 ``AlfredTWEnv.collect_game_files``, its path has no ``movable`` or ``Sliced``, its
 ``traj_data.json`` names one of the six task types, and its ``game.tw-pddl`` says ``solvable``.
 Unlike the official loader (which walks in file-system order) the result is sorted by path, and
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from orsd_jax.envs.alfworld.difficulty import Difficulty, get_difficulty
-from orsd_jax.envs.alfworld.generation import GENERATOR_VERSION, SPLITS, generate
+from orsd_jax.envs.alfworld.generation import GENERATOR_VERSION, SPLITS, generate_games
 from orsd_jax.envs.alfworld.tasks import SHORT_NAMES
 from orsd_jax.envs.base import Task
 
@@ -130,7 +130,8 @@ def default_games(
     base.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=base))
     try:
-        generate(scratch, {"train": n_train, "valid_seen": n_eval, "valid_unseen": n_eval}, seed, difficulty, workers)
+        counts = {"train": n_train, "valid_seen": n_eval, "valid_unseen": n_eval}
+        generate_games(scratch, counts, seed, difficulty, workers)
         (scratch / _COMPLETE).write_text(json.dumps({"version": GENERATOR_VERSION, "name": name}))
         try:
             os.rename(scratch, target)  # atomic: readers see no set or a complete one

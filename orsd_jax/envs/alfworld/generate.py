@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from orsd_jax.envs.alfworld.generation import SPLITS, generate
+from orsd_jax.envs.alfworld.generation import SPLITS, generate_games
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=None, help="processes (default: by size, up to the CPUs)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    games = generate(args.out, {args.split: args.n}, args.seed, args.difficulty, args.workers)[args.split]
+    games = generate_games(args.out, {args.split: args.n}, args.seed, args.difficulty, args.workers)[args.split]
     print(f"wrote {len(games)} {args.split} games to {Path(args.out) / 'json_2.1.1' / args.split} "
           f"in {time.perf_counter() - start:.1f}s", file=sys.stderr)
 

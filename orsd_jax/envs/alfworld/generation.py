@@ -1,6 +1,6 @@
 """Procedurally generated ALFWorld games, written in the official on-disk layout.
 
-``generate(out, {"train": 200}, seed=0)`` (or the ``generate`` command-line module) writes
+``generate_games(out, {"train": 200}, seed=0)`` (or the ``generate`` command-line module) writes
 ``out/json_2.1.1/<split>/<task>-<obj>-None-<recep>-<scene>/trial_S<seed>_<index>/`` with
 ``traj_data.json``, ``initial_state.pddl`` and ``game.tw-pddl`` (``solvable`` and the planner's
 ``walkthrough``), which ``AlfredTWEnv`` collects like the downloaded games. Game ``i`` of a split
@@ -108,7 +108,7 @@ def _produce(jobs: list[tuple], workers: int) -> Iterator[GeneratedGame]:
             yield from pool.imap(_make_game_job, jobs, chunksize=4)
 
 
-def generate(
+def generate_games(
     out: str | os.PathLike,
     counts: Mapping[str, int],
     seed: int,
