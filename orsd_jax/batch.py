@@ -4,9 +4,9 @@ A step sample's prompt is ``prefix + insert + tail`` (``orsd_jax.chat``: ``prefi
 head and the user text, ``insert`` the rubric, ``tail`` the end of the user turn and the
 assistant header). One packed row holds::
 
-    [prefix | insert | tail | response]  [tail | response]  [padding]
-     0 ...    1 ...................... 2 ..............   -1 ...      <- branch ids
-     0 ..........................                P ...               <- positions
+    tokens     prefix   | insert  tail  response | tail  response | padding
+    branch     0 ...    | 1 ...                  | 2 ...          | -1 ...
+    positions  0 .. P-1 | P .. P+R+S+Y-1         | P .. P+S+Y-1   | 0 ...
 
 The first part is the with-rubric sequence; the second part is the without-rubric branch, which
 restarts at position ``len(prefix)`` and attends to the shared prefix (branch 0) and to itself

@@ -7,7 +7,7 @@ token count once (token-mean aggregation over the whole batch).
 Per response token ``j`` of step sample ``i`` (``l+``/``l-``: log-probs with/without the rubric,
 ``l_old``: the sampler's):
 
-    Ahat   = A_i + coef * clip(sg(l+ - l-), -clip, clip)            (0 for samples without rubric)
+    Ahat   = A_i + coef * clip(sg(l+ - l-), -clip, clip)       (no correction for samples without a rubric)
     r      = exp(l- - l_old)
     pg     = max(-Ahat r, -Ahat clip(r, 1 - clip_low, 1 + clip_high)), and min(pg, -Ahat dual_clip) if Ahat < 0
     loss   = pg + kl_coef * k3(l_ref, l-) - entropy_coef * H

@@ -78,13 +78,13 @@ def init_train_state(
     return graphdef, jax.jit(init, out_shardings=sharding)(params), sharding
 
 
-def make_mesh(num_devices: int | None = None, devices=None) -> Mesh:
+def make_mesh(num_devices: int | None = None) -> Mesh:
     """A 1-D ``"data"`` mesh over the first ``num_devices`` devices (all by default), auto axis type.
 
     Auto, not JAX 0.10's default explicit axis type: under explicit types the weight-gradient
     contraction of a data-parallel step has an ambiguous output sharding and fails to trace.
     """
-    devices = list(devices if devices is not None else jax.devices())[: num_devices or None]
+    devices = jax.devices()[: num_devices or None]
     return jax.make_mesh((len(devices),), (DATA,), axis_types=(AxisType.Auto,), devices=devices)
 
 

@@ -141,6 +141,10 @@ def test_correction_and_gap_metrics_by_hand():
 
 # ---------------------------------------------------------------- one packed forward vs two forwards
 
+# Unoptimised XLA code compiles about three times faster on CPU; these models are tiny.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+fast_jit = functools.partial(jax.jit, compiler_options=FAST)
+
 CONFIG = ModelConfig("qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
 LOSS = LossConfig(coef=0.8, clip=0.2, clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.05,
@@ -239,7 +243,7 @@ def reference_case():
         term = term + LOSS.kl_coef * (jnp.exp(d) - d - 1) - LOSS.entropy_coef * ent
         return jnp.sum(term * mask) / jnp.sum(mask)
 
-    return samples, jax.jit(jax.value_and_grad(loss))
+    return samples, fast_jit(jax.value_and_grad(loss))
 
 
 def packed_value_and_grad(batch, config):
@@ -249,7 +253,7 @@ def packed_value_and_grad(batch, config):
         loss_sum, count, _ = OrsdLoss(config)(nnx.merge(graphdef, p), batch)
         return loss_sum / count
 
-    return jax.jit(jax.value_and_grad(f))(params)
+    return fast_jit(jax.value_and_grad(f))(params)
 
 
 def assert_trees_close(a, b, tol=1e-5):
@@ -288,5 +292,5 @@ def test_coef_zero_is_plain_grpo():
     assert (grpo_batch.branch != PAD).sum() == sum(p + t + y for p, _, t, y in sizes)
     assert (batch.branch != PAD).sum() == sum(p + (r + t + y if r else 0) + t + y for p, r, t, y in sizes)
     graphdef, params = tiny_model()
-    loss_sum, count, _ = jax.jit(lambda p, b: OrsdLoss(config)(nnx.merge(graphdef, p), b))(params, grpo_batch)
+    loss_sum, count, _ = fast_jit(lambda p, b: OrsdLoss(config)(nnx.merge(graphdef, p), b))(params, grpo_batch)
     np.testing.assert_allclose(float(loss_sum / count), float(expected_loss), atol=1e-5, rtol=0)
