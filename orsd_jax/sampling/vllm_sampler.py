@@ -62,7 +62,8 @@ class VLLMSampler:
         self.tokenizer = tokenizer
         self.request_timeout_s = request_timeout_s
         self._owns_scratch = scratch_dir is None
-        self.scratch_dir = pathlib.Path(scratch_dir or tempfile.mkdtemp(prefix="orsd_weights_"))
+        # Absolute: the server resolves the paths it is sent against its own working directory.
+        self.scratch_dir = pathlib.Path(scratch_dir or tempfile.mkdtemp(prefix="orsd_weights_")).resolve()
         self.scratch_dir.mkdir(parents=True, exist_ok=True)
         if isinstance(model_dir_or_server, VLLMServer):
             self.server, self._owns_server = model_dir_or_server, False

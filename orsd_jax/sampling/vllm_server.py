@@ -89,7 +89,7 @@ class VLLMServer:
         self._watchdog: subprocess.Popen | None = None
         atexit.register(self.close)
         try:
-            self._launch(pathlib.Path(model_dir))
+            self._launch(model_dir)
         except BaseException:
             self.close()
             raise
@@ -128,7 +128,7 @@ class VLLMServer:
         if not self.owned:
             raise ServerError(f"the server at {self.url} was attached, not started here: cannot restart it")
         self._stop()
-        self._launch(pathlib.Path(model_dir) if model_dir is not None else self.model_dir)
+        self._launch(model_dir if model_dir is not None else self.model_dir)
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -178,8 +178,9 @@ class VLLMServer:
             args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
         return args + list(o.extra_args)
 
-    def _launch(self, model_dir: pathlib.Path) -> None:
+    def _launch(self, model_dir: str | os.PathLike) -> None:
         o = self.options
+        model_dir = pathlib.Path(model_dir).resolve()  # vLLM resolves a relative one against its cwd
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(o.cpu_kv_cache_gib), **o.env}
         # The worker imports WORKER_EXTENSION: make this package importable there.
         package_root = str(pathlib.Path(__file__).resolve().parents[2])
