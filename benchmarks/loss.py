@@ -1,0 +1,182 @@
+"""ORSD train step on the embedded model at agent-like shapes: one packed forward vs two forwards.
+
+Usage: python benchmarks/loss.py [--rows 4] [--prompt 600] [--rubric 150] [--response 60] [--reps 3]
+                                 [--layers N] [--no-remat]
+
+Three ways to get the with- and without-rubric log-probs of a batch, each timed as a whole
+train step (loss, gradients, clipping, AdamW), interleaved in one run (medians of ``--reps``):
+
+- ``packed``: one forward over ``[prefix | rubric tail response] [tail response]`` rows
+  (``P + R + 2 (S + Y)`` tokens a row), the with-rubric half under stop-gradient;
+- ``two forwards``: a with-rubric forward outside the gradient (``P + R + S + Y``) and a
+  without-rubric forward with gradients (``P + S + Y``);
+- ``unshared``: both sequences as ``2 B`` rows of one batched forward, stop-gradient on half: the
+  backward still runs over both halves.
+
+Cost model, in token passes through the layers per row (forward 1, backward 2, remat 1 more):
+packed ``k (P + R + 2 (S + Y))``, two forwards ``(P + R + S + Y) + k (P + S + Y)``, unshared
+``k 2 (P + R + S + Y)`` with ``k = 3`` (``4`` with remat). Packing saves ``P - 2 (R + S + Y)``
+passes over two forwards without remat and ``P - 3 (R + S + Y)`` with it: the backward also runs
+over the with-rubric tokens, whose gradient is zero. Dense ``T x T`` attention adds a cost that
+grows with the longer packed row.
+
+Also measured here: the f32 matmul rate (2048^3) as the machine's peak. FLOPs per step are the
+dense work each layout executes (``orsd_jax.estimate.forward_flops``; backward 2x, remat 1x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from orsd_jax import chat
+from orsd_jax.batch import StepSample, build_batch
+from orsd_jax.estimate import forward_flops
+from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss, response_logprobs
+from orsd_jax.models import EMBEDDED, CausalLM, load_model
+from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoForwardLoss(OrsdLoss):
+    """Batch ``(with_rows, without_rows)``: two plain batches, the rubric folded into the first's prompt."""
+
+    def __call__(self, model, batch):
+        with_rows, without_rows = batch
+        c = self.config
+        _, logp_with, _ = response_logprobs(model, with_rows, temperature=c.temperature, with_rubric=False)
+        _, logp, entropy = response_logprobs(model, without_rows, temperature=c.temperature, with_rubric=False)
+        return policy_loss(logp, entropy, jax.lax.stop_gradient(logp_with), without_rows, c)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnsharedLoss(OrsdLoss):
+    """Batch: ``2 B`` plain rows, the with-rubric sequences first; one forward over all of them."""
+
+    def __call__(self, model, batch):
+        c = self.config
+        _, logp, entropy = response_logprobs(model, batch, temperature=c.temperature, with_rubric=False)
+        b = logp.shape[0] // 2
+        without = jax.tree.map(lambda x: x[b:], batch)
+        return policy_loss(logp[b:], entropy[b:], jax.lax.stop_gradient(logp[:b]), without, c)
+
+
+def layouts(samples: list[StepSample]):
+    """The three batches and the tokens each layout's forward runs over (padded)."""
+    plain = lambda s, with_rubric: dataclasses.replace(  # noqa: E731
+        s, prefix=[*s.prefix, *s.insert] if with_rubric else s.prefix, insert=()
+    )
+    rubric_flag = lambda b: b.replace(has_rubric=np.ones_like(b.has_rubric))  # noqa: E731
+    packed = build_batch(samples)
+    with_rows = build_batch([plain(s, True) for s in samples])
+    without_rows = rubric_flag(build_batch([plain(s, False) for s in samples]))
+    unshared = rubric_flag(build_batch([plain(s, True) for s in samples] + [plain(s, False) for s in samples]))
+    return {
+        "packed": (OrsdLoss, packed),
+        "two forwards": (TwoForwardLoss, (with_rows, without_rows)),
+        "unshared [2B, T]": (UnsharedLoss, unshared),
+    }
+
+
+def executed_flops(config, name: str, batch, remat: bool) -> float:
+    train = 4 if remat else 3  # forward, backward (2x), and the recomputed forward under remat
+    if name == "two forwards":
+        with_rows, without_rows = batch
+        y = with_rows.response.shape[1]
+        return forward_flops(config, *with_rows.tokens.shape, y) + train * forward_flops(config, *without_rows.tokens.shape, y)
+    heads = 2 * batch.response.shape[1] if name == "packed" else batch.response.shape[1]
+    return train * forward_flops(config, *batch.tokens.shape, heads)
+
+
+def first_layers(model: CausalLM, n: int) -> CausalLM:
+    """The model cut to its first ``n`` layers (quicker runs; per-layer costs are unchanged)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: CausalLM(dataclasses.replace(model.config, num_layers=n), nnx.Rngs(0))))
+    cut = lambda path, x: x[:n] if "layers" in jax.tree_util.keystr(path) else x  # noqa: E731
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(cut, nnx.state(model)))
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4, help="step samples per batch")
+    parser.add_argument("--prompt", type=int, default=600, help="user text tokens (plus the chat head)")
+    parser.add_argument("--rubric", type=int, default=150)
+    parser.add_argument("--response", type=int, default=60)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--no-remat", action="store_true", help="keep every layer's activations")
+    parser.add_argument("--layers", type=int, default=None, help="use only the first N of the 30 layers")
+    args = parser.parse_args()
+
+    model, tokenizer = load_model(EMBEDDED, remat=not args.no_remat)
+    if args.layers:
+        model = first_layers(model, args.layers)
+    fmt = chat.chat_format(tokenizer)
+    rng = np.random.RandomState(0)
+    config = model.config
+    samples = [
+        StepSample(
+            prefix=[*fmt.head, *rng.randint(0, config.vocab_size, args.prompt).tolist()],
+            insert=rng.randint(0, config.vocab_size, args.rubric).tolist(),
+            tail=list(fmt.tail),
+            response=rng.randint(0, config.vocab_size, args.response).tolist(),
+            old_logprobs=(-2.0 + 0.1 * rng.randn(args.response)).tolist(),
+            advantage=float(rng.randn()),
+        )
+        for _ in range(args.rows)
+    ]
+    optimizer = make_optimizer()
+    # One train state passed from layout to layout: the layouts share its structure and sharding.
+    graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
+    del model  # the state holds a copy of the parameters
+    runs = {}
+    for name, (loss_cls, batch) in layouts(samples).items():
+        step = make_train_step(loss_cls(LossConfig()), optimizer, graphdef, sharding)
+        start = time.perf_counter()
+        state, _ = step(state, batch)
+        jax.block_until_ready(state)
+        runs[name] = dict(step=step, batch=batch, compile=time.perf_counter() - start, times=[])
+    matrix = jnp.ones((2048, 2048), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(matrix).block_until_ready()
+    matmul_times = []
+    for _ in range(args.reps):  # interleaved, so load changes hit every layout and the peak alike
+        for run in runs.values():
+            start = time.perf_counter()
+            state, metrics = run["step"](state, run["batch"])
+            jax.block_until_ready(metrics)
+            run["times"].append(time.perf_counter() - start)
+        matmul_times += [timed(lambda: matmul(matrix)) for _ in range(5)]
+    peak = 2 * 2048**3 / statistics.median(matmul_times)
+
+    p, s = len(samples[0].prefix), len(samples[0].tail)
+    trained = args.rows * (p + s + args.response)  # tokens of the without-rubric sequences
+    print(f"SmolLM2-135M f32 ({config.num_layers} layers), remat {not args.no_remat}, {args.rows} samples: prompt {p} (chat head + text), "
+          f"rubric {args.rubric}, tail {s}, response {args.response}; {jax.devices()[0].platform}, "
+          f"matmul peak {peak / 1e9:.0f} GFLOP/s")  # fmt: skip
+    base = statistics.median(runs["two forwards"]["times"])
+    print("| layout | tokens per row | step s (median) | trained tokens/s | GFLOP/s executed | % of matmul peak | vs two forwards |")
+    print("|---|---|---|---|---|---|---|")
+    for name, run in runs.items():
+        t = statistics.median(run["times"])
+        batch = run["batch"]
+        shape = "+".join(str(b.tokens.shape[1]) for b in batch) if name == "two forwards" else str(batch.tokens.shape[1])
+        flops = executed_flops(config, name, batch, not args.no_remat)
+        print(f"| {name} | {shape} | {t:.2f} | {trained / t:.0f} | {flops / t / 1e9:.0f} | {100 * flops / t / peak:.0f}% "
+              f"| {base / t:.2f}x |")  # fmt: skip
+    print("compile s: " + ", ".join(f"{name} {run['compile']:.0f}" for name, run in runs.items()))
+
+
+if __name__ == "__main__":
+    main()
