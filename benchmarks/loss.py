@@ -90,14 +90,16 @@ def executed_flops(config, name: str, batch, remat: bool) -> float:
     if name == "two forwards":
         with_rows, without_rows = batch
         y = with_rows.response.shape[1]
-        return forward_flops(config, *with_rows.tokens.shape, y) + train * forward_flops(config, *without_rows.tokens.shape, y)
+        with_flops = forward_flops(config, *with_rows.tokens.shape, y)
+        return with_flops + train * forward_flops(config, *without_rows.tokens.shape, y)
     heads = 2 * batch.response.shape[1] if name == "packed" else batch.response.shape[1]
     return train * forward_flops(config, *batch.tokens.shape, heads)
 
 
 def first_layers(model: CausalLM, n: int) -> CausalLM:
     """The model cut to its first ``n`` layers (quicker runs; per-layer costs are unchanged)."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: CausalLM(dataclasses.replace(model.config, num_layers=n), nnx.Rngs(0))))
+    config = dataclasses.replace(model.config, num_layers=n)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: CausalLM(config, nnx.Rngs(0))))
     cut = lambda path, x: x[:n] if "layers" in jax.tree_util.keystr(path) else x  # noqa: E731
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(cut, nnx.state(model)))
 
@@ -162,16 +164,18 @@ def main() -> None:
 
     p, s = len(samples[0].prefix), len(samples[0].tail)
     trained = args.rows * (p + s + args.response)  # tokens of the without-rubric sequences
-    print(f"SmolLM2-135M f32 ({config.num_layers} layers), remat {not args.no_remat}, {args.rows} samples: prompt {p} (chat head + text), "
-          f"rubric {args.rubric}, tail {s}, response {args.response}; {jax.devices()[0].platform}, "
-          f"matmul peak {peak / 1e9:.0f} GFLOP/s")  # fmt: skip
+    print(f"SmolLM2-135M f32 ({config.num_layers} layers), remat {not args.no_remat}, {args.rows} samples: "
+          f"prompt {p} (chat head + text), rubric {args.rubric}, tail {s}, response {args.response}; "
+          f"{jax.devices()[0].platform}, matmul peak {peak / 1e9:.0f} GFLOP/s")  # fmt: skip
     base = statistics.median(runs["two forwards"]["times"])
-    print("| layout | tokens per row | step s (median) | trained tokens/s | GFLOP/s executed | % of matmul peak | vs two forwards |")
-    print("|---|---|---|---|---|---|---|")
+    columns = ["layout", "tokens per row", "step s (median)", "trained tokens/s", "GFLOP/s executed",
+               "% of matmul peak", "vs two forwards"]  # fmt: skip
+    print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for name, run in runs.items():
         t = statistics.median(run["times"])
         batch = run["batch"]
-        shape = "+".join(str(b.tokens.shape[1]) for b in batch) if name == "two forwards" else str(batch.tokens.shape[1])
+        rows = batch if name == "two forwards" else (batch,)
+        shape = "+".join(str(b.tokens.shape[1]) for b in rows)
         flops = executed_flops(config, name, batch, not args.no_remat)
         print(f"| {name} | {shape} | {t:.2f} | {trained / t:.0f} | {flops / t / 1e9:.0f} | {100 * flops / t / peak:.0f}% "
               f"| {base / t:.2f}x |")  # fmt: skip

@@ -17,7 +17,7 @@ from flax import nnx  # noqa: E402
 from orsd_jax.batch import build_batch  # noqa: E402
 from orsd_jax.loss import OrsdLoss  # noqa: E402
 from orsd_jax.train_step import init_train_state, make_mesh, make_train_step  # noqa: E402
-from test_loss import LOSS, make_samples, tiny_model  # noqa: E402
+from test_loss import LOSS, make_samples, max_tree_diff, tiny_model  # noqa: E402
 
 STEPS, MICRO_BATCHES = 2, 2
 
@@ -46,7 +46,7 @@ def main():
     for name, fsdp in [("replicated", False), ("fsdp", True)]:
         params, metrics, specs, steps = run(make_mesh(4), fsdp)
         out[name] = {
-            "param_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(single))),
+            "param_diff": max_tree_diff(params, single),
             "metric_diff": max(abs(m[k] - s[k]) for m, s in zip(metrics, single_metrics) for k in s),
             "specs": specs,
             "steps": steps,
