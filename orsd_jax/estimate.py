@@ -90,10 +90,6 @@ class Estimate:
         GPU unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise: set it to 0.9)."""
         return self.total_bytes <= 0.9 * self.device_memory
 
-    def seconds(self, flops_per_second: float) -> float:
-        """Lower bound of the update's time at a device's sustained FLOP rate."""
-        return self.flops / self.devices / flops_per_second
-
 
 def estimate(
     config: ModelConfig,
