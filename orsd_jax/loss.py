@@ -48,34 +48,6 @@ class LossConfig:
     chunk_size: int = 64  # response positions per LM-head chunk
 
 
-def _logprobs_at(
-    model: CausalLM, hidden: jax.Array, targets: jax.Array, temperature: float, chunk_size: int
-) -> tuple[jax.Array, jax.Array]:
-    """Log-probs of ``targets [B, Y]`` and entropies, both ``float32[B, Y]``, from ``hidden [B, Y, D]``.
-
-    The LM head runs ``chunk_size`` positions at a time under ``jax.checkpoint``: at most
-    ``[B, chunk_size, V]`` logits live at once, forward or backward.
-    """
-    b, y, d = hidden.shape
-    chunk = min(chunk_size, y)
-    n_chunks = -(-y // chunk)
-    pad = n_chunks * chunk - y
-    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
-    targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def one_chunk(args):
-        h, tgt = args
-        logits = model.logits(h) / temperature
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        logp = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
-        return logp, lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
-
-    logp, entropy = jax.lax.map(one_chunk, (hidden, targets))
-    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, -1)[:, :y]  # noqa: E731
-    return unchunk(logp), unchunk(entropy)
-
-
 def response_logprobs(
     model: CausalLM, batch: Batch, *, temperature: float = 1.0, chunk_size: int = 64, with_rubric: bool = True
 ) -> tuple[jax.Array | None, jax.Array, jax.Array]:
@@ -86,11 +58,17 @@ def response_logprobs(
     """
     mask = tree_attention_mask(batch.branch)
     hidden, _ = model.hidden_states(batch.tokens, batch.positions, mask=mask)
-    gather = lambda index: jnp.take_along_axis(hidden, index[..., None], axis=1)  # noqa: E731
-    logp_without, entropy = _logprobs_at(model, gather(batch.without_index), batch.response, temperature, chunk_size)
+
+    def logprobs(index, with_entropy):  # the LM head only at the [B, Y] predicting positions
+        h = jnp.take_along_axis(hidden, index[..., None], axis=1)
+        return model.logprobs_from_hidden(
+            h, batch.response, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy
+        )
+
+    logp_without, entropy = logprobs(batch.without_index, True)
     if not with_rubric:
         return None, logp_without, entropy
-    logp_with, _ = _logprobs_at(model, gather(batch.with_index), batch.response, temperature, chunk_size)
+    logp_with, _ = logprobs(batch.with_index, False)
     return jax.lax.stop_gradient(logp_with), logp_without, entropy
 
 

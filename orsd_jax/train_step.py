@@ -49,11 +49,31 @@ class OptimizerConfig:
     eps: float = 1e-8
 
 
-def make_optimizer(config: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
-    return optax.chain(
+def make_optimizer(config: OptimizerConfig = OptimizerConfig(), frozen_layers: int = 0) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW; with ``frozen_layers`` (see ``ModelConfig``) the updates of
+    the embedding and of the first layers are zeroed last, so weight decay does not move them either."""
+    chain = [
         optax.clip_by_global_norm(config.grad_clip),
         optax.adamw(config.learning_rate, config.b1, config.b2, config.eps, weight_decay=config.weight_decay),
-    )
+    ]
+    if frozen_layers:
+        chain.append(freeze_first_layers(frozen_layers))
+    return optax.chain(*chain)
+
+
+def freeze_first_layers(n: int) -> optax.GradientTransformation:
+    """Zeroes the updates of the embedding and of rows ``[:n]`` of the stacked ``[L]`` layer parameters."""
+
+    def freeze(path, update):
+        names = [getattr(key, "key", None) for key in path]
+        if "layers" in names:
+            return update.at[:n].set(0)
+        return jnp.zeros_like(update) if "embed" in names else update
+
+    def update_fn(updates, state, params=None):
+        return jax.tree_util.tree_map_with_path(freeze, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 @flax.struct.dataclass

@@ -95,3 +95,22 @@ def test_sharded_step_equals_single_device():
         assert fsdp[where + "['layers']['mlp']['gate'].value"] == "P(None, None, 'data')"  # [L, 32, 64]
         assert fsdp[where + "['layers']['attn']['o'].value"] == "P(None, None, None, 'data')"  # [L, 4, 8, 32]
     assert fsdp[".step"] == "P()"
+
+
+def test_frozen_layers_stay_put():
+    """The embedding and the first layers do not move, weight decay included; the rest does."""
+    graphdef, params = tiny_model()
+    grads = jax.tree.map(jnp.ones_like, params)
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=0.1, weight_decay=0.5), frozen_layers=1)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    new = optax.apply_updates(params, updates)
+    for (path, old), (_, moved) in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(new)):
+        name = jax.tree_util.keystr(path)
+        old, moved = np.asarray(old), np.asarray(moved)
+        if "layers" in name:
+            np.testing.assert_array_equal(moved[:1], old[:1], err_msg=name)
+            assert np.all(moved[1:] != old[1:]), name
+        elif "embed" in name:
+            np.testing.assert_array_equal(moved, old)
+        else:
+            assert np.all(moved != old), name
