@@ -18,16 +18,20 @@ def load_model(
     dtype: str = "float32",
     compute_dtype: str | None = None,
     remat: bool = False,
+    frozen_layers: int = 0,
 ):
     """``(CausalLM, tokenizer)`` from a Hugging Face directory or a registry name.
 
     ``dtype`` is the parameter dtype (``float32`` or ``bfloat16``); ``compute_dtype`` defaults
-    to it. Nothing is downloaded: see ``orsd_jax.models.registry``.
+    to it; ``remat`` and ``frozen_layers`` are training options (see ``ModelConfig``). Nothing is
+    downloaded: see ``orsd_jax.models.registry``.
     """
     from transformers import AutoTokenizer
 
     directory = resolve(path_or_name)
-    model = load_hf_params(directory, param_dtype=dtype, compute_dtype=compute_dtype or dtype, remat=remat)
+    model = load_hf_params(
+        directory, param_dtype=dtype, compute_dtype=compute_dtype or dtype, remat=remat, frozen_layers=frozen_layers
+    )
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return model, tokenizer
 

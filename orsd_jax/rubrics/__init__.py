@@ -11,7 +11,7 @@ from orsd_jax.rollout import Group
 from orsd_jax.rubrics.generate import RUBRIC_PROMPT_VERSION, RubricConfig, generate_bundles, rubric_insert, rubric_prompt
 from orsd_jax.rubrics.parse import MAX_CRITERIA, MIN_CRITERIA, ParsedBundle, parse_bundle
 from orsd_jax.rubrics.select import MODES, Selection, average_ranks, select_bundle, spearman
-from orsd_jax.rubrics.verify import DASHSCOPE, OpenAIVerifier, Verifier, VerifierConfig, VerifierStats
+from orsd_jax.rubrics.verify import DASHSCOPE, LocalModelVerifier, OpenAIVerifier, Verifier, VerifierConfig, VerifierStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,7 @@ __all__ = [
     "MODES",
     "RUBRIC_PROMPT_VERSION",
     "GroupRubric",
+    "LocalModelVerifier",
     "OpenAIVerifier",
     "ParsedBundle",
     "RubricConfig",

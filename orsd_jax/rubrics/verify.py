@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -30,8 +31,12 @@ import threading
 import time
 from typing import Callable, Protocol, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from orsd_jax import chat
 from orsd_jax.rollout import Trajectory
 from orsd_jax.rubrics.render import render_trajectory
 
@@ -258,3 +263,54 @@ class OpenAIVerifier:
     def score(self, task: str, trajectories: Sequence[Trajectory], bundle: Sequence[str]) -> np.ndarray:
         """``float[G, n_criteria]`` for one bundle."""
         return self.score_many(task, trajectories, [bundle])[0]
+
+
+class LocalModelVerifier:
+    """A frozen model in this process, in ``logprob`` mode: the score of a criterion is
+    ``p(yes) / (p(yes) + p(no))`` of the model's first answer token, over the same prompts as
+    ``OpenAIVerifier``. For runs without a second server (tests, notebooks)."""
+
+    def __init__(self, model, tokenizer, *, trajectory_budget_tokens: int = 1500, batch_rows: int = 8):
+        self._graphdef, self._state = nnx.split(model)
+        self._tokenizer = tokenizer
+        self._fmt = chat.chat_format(tokenizer)
+        self._budget = trajectory_budget_tokens
+        self._rows = batch_rows
+        vocab = tokenizer.get_vocab()
+        self._yes = sorted({vocab[t] for t in ("yes", "Yes", "YES", "Ġyes", "ĠYes", "▁yes", "▁Yes") if t in vocab})
+        self._no = sorted({vocab[t] for t in ("no", "No", "NO", "Ġno", "ĠNo", "▁no", "▁No") if t in vocab})
+        if not self._yes or not self._no:
+            raise ValueError("the tokenizer has no single-token 'yes' / 'no' to score with")
+        self.stats = VerifierStats()
+
+    def score_many(self, task: str, trajectories: Sequence[Trajectory], bundles: Sequence[Sequence[str]]) -> list[np.ndarray]:
+        texts = [render_trajectory(t, self._budget, lambda s: len(s) // 4) for t in trajectories]
+        jobs = [(b, i, k) for b, criteria in enumerate(bundles) for i in range(len(texts)) for k in range(len(criteria))]
+        prompts = [chat.prompt_ids(self._fmt, self._tokenizer, criterion_prompt(task, texts[i], bundles[b][k])) for b, i, k in jobs]
+        probs = []
+        for start in range(0, len(prompts), self._rows):
+            probs += self._yes_probabilities(prompts[start : start + self._rows])
+        self.stats.calls += len(prompts)
+        out = [np.full((len(trajectories), len(criteria)), np.nan) for criteria in bundles]
+        for (b, i, k), p in zip(jobs, probs):
+            out[b][i, k] = p
+        return out
+
+    def _yes_probabilities(self, prompts: list[list[int]]) -> list[float]:
+        length = -(-max(map(len, prompts)) // 64) * 64  # length buckets bound the compiles
+        tokens = np.zeros((self._rows, length), np.int32)
+        last = np.zeros((self._rows,), np.int32)
+        for r, ids in enumerate(prompts):
+            tokens[r, : len(ids)], last[r] = ids, len(ids) - 1
+        logp = np.asarray(_last_logprobs(self._graphdef, self._state, jnp.asarray(tokens), jnp.asarray(last)))
+        yes = np.exp(logp[:, self._yes]).sum(axis=1)
+        no = np.exp(logp[:, self._no]).sum(axis=1)
+        return (yes / (yes + no)).tolist()[: len(prompts)]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _last_logprobs(graphdef, state, tokens: jax.Array, last: jax.Array) -> jax.Array:
+    """Next-token log-probs ``[B, V]`` after position ``last [B]`` of right-padded ``tokens [B, T]``."""
+    model = nnx.merge(graphdef, state)
+    hidden, _ = model.hidden_states(tokens)
+    return jax.nn.log_softmax(model.logits(hidden[jnp.arange(tokens.shape[0]), last]), axis=-1)

@@ -92,6 +92,21 @@ def load_split(data_dir: str | os.PathLike, split: str) -> list[Task]:
     return sorted(tasks, key=lambda t: t.key)
 
 
+def user_data_root() -> Path | None:
+    """``$ALFWORLD_DATA`` as the user set it, or None.
+
+    Importing ``alfworld`` sets the variable to ``~/.cache/alfworld`` (and creates that folder)
+    when it is unset; that default counts as unset unless it holds games.
+    """
+    value = os.environ.get("ALFWORLD_DATA")
+    if not value:
+        return None
+    root = Path(value).expanduser()
+    if root == Path("~/.cache/alfworld").expanduser() and not (root / "json_2.1.1").exists():
+        return None
+    return root
+
+
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """``cache_dir``, else ``$ORSD_JAX_CACHE``, else ``~/.cache/orsd_jax``."""
     return Path(cache_dir or os.environ.get("ORSD_JAX_CACHE") or Path.home() / ".cache" / "orsd_jax").expanduser()
@@ -114,8 +129,8 @@ def default_games(
 ) -> Path:
     """A data root with all three splits: ``$ALFWORLD_DATA`` when set, else games generated
     once into the user cache (``n_eval`` each for valid_seen and valid_unseen) and reused."""
-    if os.environ.get("ALFWORLD_DATA"):
-        root = Path(os.environ["ALFWORLD_DATA"]).expanduser()
+    root = user_data_root()
+    if root is not None:
         for split in SPLITS:
             split_dir(root, split)
         return root

@@ -1,0 +1,131 @@
+"""Command line shared by ``train_alfworld`` and ``train_webshop``: presets, flags, dry runs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import pathlib
+import sys
+
+from orsd_jax.config import METHODS, PRESETS, TrainConfig, VerifierSetup, preset
+from orsd_jax.rubrics.verify import DASHSCOPE, VerifierConfig
+
+
+def parser(env: str, doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="cpu-demo" if env == "alfworld" else "tiny", choices=sorted(PRESETS))
+    p.add_argument("--method", choices=METHODS, help="default: orsd")
+    p.add_argument("--out", help="run directory (default: runs/<preset>-<env>-<method>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last good checkpoint")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (mesh, memory per device, budget) and exit")
+    p.add_argument("--model", help="registry name or Hugging Face directory of the initial policy")
+    p.add_argument("--updates", type=int)
+    p.add_argument("--n-tasks", type=int)
+    p.add_argument("--group-size", type=int)
+    p.add_argument("--candidates", type=int, help="rubric bundles per group (K)")
+    p.add_argument("--coef", type=float, help="lambda: weight of the rubric correction")
+    p.add_argument("--clip", type=float, help="c: the gap is clipped to [-c, c]")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--devices", type=int, help="mesh size")
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--sampler", choices=["vllm", "jax"])
+    p.add_argument("--verifier", choices=["local-vllm", "local-jax", "dashscope", "openai"])
+    p.add_argument("--verifier-url", help="base URL of an OpenAI-compatible endpoint (with --verifier openai)")
+    p.add_argument("--verifier-model", help="model name at that endpoint")
+    p.add_argument("--verifier-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key")
+    p.add_argument("--eval-games", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--data-dir", help="WebShop data (default $WEBSHOP_DATA)")
+    p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: end the process early
+    return p
+
+
+def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
+    c = preset(args.preset, env)
+    set_ = lambda obj, **kw: dataclasses.replace(obj, **{k: v for k, v in kw.items() if v is not None})  # noqa: E731
+    c = set_(c, method=args.method, updates=args.updates, n_tasks=args.n_tasks, group_size=args.group_size,
+             devices=args.devices, fsdp=args.fsdp, sampler=args.sampler, eval_games=args.eval_games, seed=args.seed)  # fmt: skip
+    c = set_(c, model=set_(c.model, name=args.model), env=set_(c.env, data_dir=args.data_dir))
+    c = set_(c, rubric=set_(c.rubric, candidates=args.candidates), loss=set_(c.loss, coef=args.coef, clip=args.clip))
+    c = set_(c, optimizer=set_(c.optimizer, learning_rate=args.lr))
+    if args.model:  # an explicit initial policy replaces the preset's warm start
+        c = dataclasses.replace(c, model=dataclasses.replace(c.model, warmstart=None, random_shape=None))
+    if args.verifier == "dashscope":
+        c = dataclasses.replace(c, verifier=VerifierSetup(kind="openai", endpoint=DASHSCOPE))
+    elif args.verifier == "openai":
+        if not (args.verifier_url and args.verifier_model):
+            raise SystemExit("--verifier openai needs --verifier-url and --verifier-model")
+        endpoint = VerifierConfig(base_url=args.verifier_url, model=args.verifier_model, api_key_env=args.verifier_key_env)
+        c = dataclasses.replace(c, verifier=VerifierSetup(kind="openai", endpoint=endpoint))
+    elif args.verifier:
+        c = dataclasses.replace(c, verifier=dataclasses.replace(c.verifier, kind=args.verifier))
+    return c
+
+
+def plan(config: TrainConfig) -> tuple[str, bool]:
+    """The dry-run report and whether the plan fits the devices."""
+    from orsd_jax import estimate
+    from orsd_jax.models import ModelConfig, resolve
+
+    c = config.resolved()
+    known = {"Qwen/Qwen3-1.7B": estimate.QWEN3_1_7B, "Qwen/Qwen3-4B": estimate.QWEN3_4B}
+    if c.model.name in known:
+        model = known[c.model.name]
+    else:
+        model = ModelConfig.from_hf_config(json.loads((resolve(c.model.name) / "config.json").read_text()))
+    model = dataclasses.replace(model, param_dtype=c.model.dtype, compute_dtype=c.model.compute_dtype or c.model.dtype,
+                                remat=c.model.remat)  # fmt: skip
+    devices = c.devices or 1
+    rubric_tokens = 256 if c.uses_rubrics else 0
+    seq_len = c.rollout.max_prompt_tokens + rubric_tokens + 2 * (8 + c.rollout.max_response_tokens)
+    e = estimate.estimate(model, rows=c.minibatch_rows, seq_len=seq_len, response_len=c.rollout.max_response_tokens,
+                          devices=devices, micro_batches=c.micro_batches, fsdp=c.fsdp)  # fmt: skip
+    episodes = c.updates * c.n_tasks * c.group_size
+    gb = estimate.GB
+    lines = [
+        f"preset {c.preset}, method {c.method}, environment {c.env.name}, model {c.model.name}",
+        f"devices: {devices} ({'FSDP' if c.fsdp else 'replicated'} parameters), mesh ('data',) = ({devices},)",
+        f"parameters: {e.params / 1e9:.2f} B ({c.model.dtype}), compute {model.compute_dtype}, remat {model.remat}",
+        f"minibatch: {c.minibatch_rows} rows x {seq_len} tokens (prompt {c.rollout.max_prompt_tokens}, rubric {rubric_tokens}, "
+        f"2 x (tail 8 + response {c.rollout.max_response_tokens})), {c.micro_batches} micro-batches",
+        "memory per device (GB): "
+        f"params {e.param_bytes / gb:.1f}, grads {e.grad_bytes / gb:.1f}, AdamW {e.optimizer_bytes / gb:.1f}, "
+        f"accumulator {e.accumulator_bytes / gb:.1f}, gathered {e.gathered_bytes / gb:.1f}, "
+        f"activations {e.activation_bytes / gb:.1f} -> total {e.total_bytes / gb:.1f} of {e.device_memory / gb:.0f} "
+        f"({'fits' if e.fits else 'DOES NOT FIT'}, 90% usable)",
+        f"interaction budget: {c.updates} updates x {c.n_tasks} tasks x {c.group_size} rollouts = {episodes} episodes, "
+        f"at most {episodes * c.rollout.max_steps} environment steps",
+    ]
+    if c.uses_rubrics:
+        lines.append(f"rubrics: {c.updates * c.n_tasks * c.rubric.candidates} bundles written; verifier "
+                     f"{c.verifier.kind}{' ' + c.verifier.endpoint.model if c.verifier.endpoint else ''}")  # fmt: skip
+    if not e.fits:
+        lines.append("the plan does not fit: use --fsdp, more --devices or more micro-batches")
+    return "\n".join(lines), e.fits
+
+
+def main(env: str, doc: str, argv: list[str] | None = None) -> None:
+    args = parser(env, doc).parse_args(argv)  # before any game loads: the planner overwrites sys.argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-file chatter
+    config = config_from_args(env, args)
+    if args.dry_run:
+        report, fits = plan(config)
+        print(report)
+        sys.exit(0 if fits else 2)
+    from orsd_jax.trainer import train
+
+    out = pathlib.Path(args.out or f"runs/{config.preset}-{env}-{config.method}")
+    policy = train(config, out, resume=args.resume, stop_after=args.stop_after)
+    print(f"\nrun directory: {out.resolve()}")
+    for name, path in [("metrics", "metrics.jsonl"), ("tensorboard", "tb"), ("checkpoints", "checkpoints"),
+                       ("credit report", "credit_report.html")]:  # fmt: skip
+        if (out / path).exists():
+            print(f"{name:>14}: {(out / path).resolve()}")
+    if policy.exists():
+        print(f"{'final policy':>14}: {policy.resolve()}")
+    evals = sorted((out / "eval").glob("*/eval.md"))
+    if evals:
+        print(f"\n{evals[-1].read_text()}")

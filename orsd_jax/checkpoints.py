@@ -1,0 +1,66 @@
+"""Training checkpoints with Orbax: the train state (params, optimizer state, step) and a JSON
+record of everything else a resumed run needs (update number, data cursor, RNG seed, verifier
+cache, the run's config).
+
+Orbax writes each checkpoint to a temporary directory and renames it when complete, so a run
+killed mid-save leaves no half checkpoint in the list. A checkpoint that is listed but cannot be
+read (a damaged file) is skipped on restore, with a warning, for the newest one before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointRestoreError(RuntimeError):
+    pass
+
+
+class Checkpoints:
+    def __init__(self, directory: str | os.PathLike, keep: int = 2):
+        self.directory = pathlib.Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, update: int, state: Any, meta: dict) -> None:
+        """Saves ``state`` (a pytree of arrays) and ``meta`` (JSON) as checkpoint ``update``."""
+        self._manager.save(update, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        self._manager.wait_until_finished()
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
+        """``(update, state, meta)`` of the newest readable checkpoint, or None if there is none.
+
+        ``abstract_state`` gives shapes, dtypes and shardings (``jax.eval_shape`` of the state,
+        with ``.sharding`` set). Unreadable checkpoints are reported and passed over.
+        """
+        steps = self.steps()
+        for update in reversed(steps):
+            try:
+                restored = self._manager.restore(
+                    update,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+                )
+                state, meta = restored["state"], restored["meta"]
+                jax.block_until_ready(state)
+            except Exception as err:  # damaged or partial files: fall back to an older checkpoint
+                log.warning("checkpoint %d in %s is unreadable (%s: %s); trying an older one",
+                            update, self.directory, type(err).__name__, str(err).splitlines()[0][:200])
+                continue
+            return update, state, meta
+        if steps:
+            raise CheckpointRestoreError(f"no readable checkpoint in {self.directory} (tried {steps})")
+        return None
+
+    def close(self) -> None:
+        self._manager.close()

@@ -1,0 +1,239 @@
+"""Run configuration: frozen dataclasses, the methods, and the presets.
+
+A ``TrainConfig`` decides a run completely; it is dumped as ``config.json`` in the run directory
+and read back on ``--resume``. Presets are named starting points that command-line flags adjust.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any
+
+from orsd_jax.loss import LossConfig
+from orsd_jax.models import EMBEDDED
+from orsd_jax.rollout import RolloutConfig
+from orsd_jax.rubrics import RubricConfig, VerifierConfig
+from orsd_jax.rubrics.verify import DASHSCOPE
+from orsd_jax.train_step import OptimizerConfig
+from orsd_jax.warmstart import WarmStartConfig, WarmStartRun
+
+METHODS = ("grpo", "gigpo", "orsd", "orsd-single", "orsd-random")
+ENVS = ("alfworld", "webshop")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    name: str = "alfworld"
+    difficulty: str = "standard"  # generated ALFWorld games (ignored with $ALFWORLD_DATA)
+    games_seed: int = 0
+    train_games: int = 200
+    eval_games: int = 50  # generated valid_seen / valid_unseen sizes; WebShop: test goals evaluated
+    eval_split: str = "valid_seen"  # ALFWorld: valid_seen (in-distribution) or valid_unseen; WebShop: test
+    data_dir: str | None = None  # WebShop data ($WEBSHOP_DATA when None)
+    workers: int | None = None  # environment worker processes (None: one per core)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """GRPO / GiGPO per step sample. The invalid-answer penalty enters as a negative reward on
+    the step that gave it: summed into the trajectory's outcome (per-trajectory statistics),
+    per step sample (``across_steps``, verl-agent's default), or into the step reward (GiGPO)."""
+
+    across_steps: bool = False
+    normalize_std: bool = True
+    invalid_penalty: float = 0.1
+    gamma: float = 0.95  # GiGPO discount
+    omega: float = 1.0  # GiGPO step-advantage weight
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSetup:
+    name: str = EMBEDDED  # registry name or Hugging Face directory
+    warmstart: WarmStartRun | None = None  # start from this cached supervised warm start
+    dtype: str = "float32"  # parameters
+    compute_dtype: str | None = None  # activations and matmuls (None: the parameter dtype)
+    remat: bool = True
+    frozen_layers: int = 0
+    # A random model of this shape (ModelConfig fields), with ``name``'s tokenizer: the ``tiny`` preset.
+    random_shape: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifierSetup:
+    kind: str = "local-vllm"  # local-vllm | local-jax | openai
+    mode: str = "logprob"  # for local verifiers; an openai endpoint uses ``endpoint.mode``
+    endpoint: VerifierConfig | None = None  # kind == "openai"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    preset: str = "custom"
+    method: str = "orsd"
+    env: EnvConfig = EnvConfig()
+    model: ModelSetup = ModelSetup()
+    n_tasks: int = 8
+    group_size: int = 8
+    updates: int = 300
+    rollout: RolloutConfig = RolloutConfig()
+    rubric: RubricConfig = RubricConfig()
+    verifier: VerifierSetup = VerifierSetup()
+    loss: LossConfig = LossConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    minibatch_rows: int = 16  # step samples per optimizer step; an update takes as many as it needs
+    micro_batches: int = 1
+    devices: int | None = None  # mesh size (None: every device)
+    fsdp: bool = False
+    sampler: str = "vllm"  # vllm | jax
+    eval_every: int = 0  # updates between evaluations (0: only after the last update)
+    eval_games: int = 50  # tasks of the eval split swept per evaluation
+    eval_temperature: float = 0.4
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 2
+    credit_every: int = 0  # record per-token credit every N updates (0: the last update only)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; expected one of {METHODS}")
+        if self.env.name not in ENVS:
+            raise ValueError(f"unknown environment {self.env.name!r}; expected one of {ENVS}")
+        if self.group_size < 2:
+            raise ValueError("group_size must be at least 2: advantages compare trajectories of a group")
+
+    @property
+    def uses_rubrics(self) -> bool:
+        return self.method.startswith("orsd")
+
+    @property
+    def selection_mode(self) -> str:
+        return {"orsd": "spearman", "orsd-single": "single", "orsd-random": "random"}[self.method]
+
+    def resolved(self) -> "TrainConfig":
+        """The config with the method's implications applied (GRPO/GiGPO: no correction; single: K = 1)."""
+        c = self
+        if not c.uses_rubrics:
+            c = dataclasses.replace(c, loss=dataclasses.replace(c.loss, coef=0.0))
+        if c.method == "orsd-single":
+            c = dataclasses.replace(c, rubric=dataclasses.replace(c.rubric, candidates=1))
+        return c
+
+
+def to_json(config: Any) -> str:
+    return json.dumps(dataclasses.asdict(config), indent=2)
+
+
+def _build(kind, value):
+    """Rebuilds a (possibly nested, possibly optional) dataclass field value from JSON."""
+    if value is None:
+        return None
+    if isinstance(kind, (types.UnionType, typing._UnionGenericAlias)):
+        kinds = [k for k in typing.get_args(kind) if k is not type(None)]
+        return _build(kinds[0], value) if len(kinds) == 1 else value
+    if dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        return kind(**{f.name: _build(hints[f.name], value[f.name]) for f in dataclasses.fields(kind) if f.name in value})
+    if typing.get_origin(kind) is tuple:
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return value
+
+
+def from_json(text: str) -> TrainConfig:
+    return _build(TrainConfig, json.loads(text))
+
+
+# Presets.
+
+_EASY_ROLLOUT = RolloutConfig(max_steps=8, max_prompt_tokens=1024, max_response_tokens=48)
+_CPU_WARMSTART = WarmStartRun(
+    model=EMBEDDED,
+    difficulty="easy",
+    demo_games=32,
+    max_detours=2,
+    reasoning=False,
+    frozen_layers=24,
+    rollout=_EASY_ROLLOUT,
+    train=WarmStartConfig(epochs=1, batch_size=16, optimizer=OptimizerConfig(learning_rate=2e-4, weight_decay=0.0)),
+)
+
+
+def _cpu_demo(env: str) -> TrainConfig:
+    if env != "alfworld":
+        raise ValueError("the cpu-demo preset plays ALFWorld")
+    return TrainConfig(
+        preset="cpu-demo",
+        env=EnvConfig(name="alfworld", difficulty="easy", eval_split="valid_seen"),
+        model=ModelSetup(warmstart=_CPU_WARMSTART, remat=False, frozen_layers=26),
+        n_tasks=2,
+        group_size=4,
+        updates=3,
+        rollout=_EASY_ROLLOUT,
+        rubric=RubricConfig(candidates=4, trajectory_budget_tokens=120, max_new_tokens=160),
+        verifier=VerifierSetup(kind="local-vllm", mode="logprob"),
+        loss=LossConfig(entropy_coef=0.0),
+        optimizer=OptimizerConfig(learning_rate=2e-5, weight_decay=0.0),
+        minibatch_rows=16,
+        eval_games=16,
+        eval_temperature=0.4,
+    )
+
+
+def _tiny(env: str) -> TrainConfig:
+    shape = dict(architecture="llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16)  # fmt: skip
+    return TrainConfig(
+        preset="tiny",
+        env=EnvConfig(name=env, difficulty="easy", train_games=8, eval_games=4, eval_split="valid_seen" if env == "alfworld" else "test"),
+        model=ModelSetup(random_shape=shape, remat=False),
+        n_tasks=2,
+        group_size=2,
+        updates=2,
+        rollout=RolloutConfig(max_steps=2, max_prompt_tokens=1024, max_response_tokens=16),
+        rubric=RubricConfig(candidates=2, trajectory_budget_tokens=64, max_new_tokens=24),
+        verifier=VerifierSetup(kind="local-jax", mode="logprob"),
+        optimizer=OptimizerConfig(learning_rate=1e-3),
+        minibatch_rows=8,
+        sampler="jax",
+        eval_games=2,
+        eval_temperature=1.0,
+    )
+
+
+def _paper(model: str, env: str) -> TrainConfig:
+    alfworld = env == "alfworld"
+    return TrainConfig(
+        preset=f"paper-{model.split('/')[-1].lower()}",
+        env=EnvConfig(name=env, difficulty="standard", eval_split="valid_seen" if alfworld else "test",
+                      eval_games=140 if alfworld else 500),  # fmt: skip
+        model=ModelSetup(name=model, dtype="float32", compute_dtype="bfloat16", remat=True),
+        n_tasks=8,
+        group_size=8,
+        updates=300,
+        rollout=RolloutConfig(max_steps=50 if alfworld else 15, max_prompt_tokens=2048 if alfworld else 4096,
+                              max_response_tokens=512),  # fmt: skip
+        verifier=VerifierSetup(kind="openai", endpoint=DASHSCOPE),
+        advantage=AdvantageConfig(normalize_std=alfworld),  # GiGPO: mean-std on ALFWorld, mean-only on WebShop
+        minibatch_rows=64,
+        micro_batches=16,
+        devices=4,
+        fsdp=model.endswith("4B"),
+        eval_every=10,
+        eval_games=140 if alfworld else 500,
+    )
+
+
+PRESETS = {
+    "cpu-demo": _cpu_demo,
+    "tiny": _tiny,
+    "paper-qwen3-1.7b": lambda env: _paper("Qwen/Qwen3-1.7B", env),
+    "paper-qwen3-4b": lambda env: _paper("Qwen/Qwen3-4B", env),
+}
+
+
+def preset(name: str, env: str = "alfworld") -> TrainConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    return PRESETS[name](env)

@@ -1,0 +1,50 @@
+"""Run logs: one JSON line per update in ``metrics.jsonl`` and the same scalars in TensorBoard;
+progress bars for the stages of an update."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import sys
+from typing import Iterable, TypeVar
+
+from tqdm import tqdm
+
+T = TypeVar("T")
+
+
+class MetricsLog:
+    """Appends to ``metrics.jsonl`` and ``tb/``. On resume, lines of updates after the restored
+    checkpoint (written before the crash) are dropped so the log matches the resumed state."""
+
+    def __init__(self, out: str | os.PathLike, truncate_after: int | None = None):
+        from tensorboardX import SummaryWriter
+
+        self.path = pathlib.Path(out) / "metrics.jsonl"
+        if truncate_after is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["update"] <= truncate_after and not json.loads(line).get("final")]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = open(self.path, "a")
+        self._tb = SummaryWriter(str(pathlib.Path(out) / "tb"))
+
+    def write(self, update: int, metrics: dict[str, float], final: bool = False) -> None:
+        record = {"update": update, **({"final": True} if final else {}), **metrics}
+        self._file.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not math.isnan(value):
+                self._tb.add_scalar(("final/" if final else "") + key, value, update)
+        self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        self._tb.close()
+
+
+def progress(items: Iterable[T], stage: str, **kwargs) -> Iterable[T]:
+    """A progress bar on stderr for one stage (silent when stderr is not a terminal and
+    ``ORSD_PROGRESS`` is unset, e.g. in tests)."""
+    disable = not (sys.stderr.isatty() or os.environ.get("ORSD_PROGRESS"))
+    return tqdm(items, desc=stage, leave=False, dynamic_ncols=True, disable=disable, **kwargs)

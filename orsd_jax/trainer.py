@@ -1,0 +1,405 @@
+"""The training loop. It composes the stages and does the I/O; every stage is a function above.
+
+One update: collect ``n_tasks x G`` episodes -> (ORSD) write K rubric bundles per group, verify
+them, select one -> GRPO/GiGPO advantages per step sample -> pack step samples (with the rubric
+inserted for the with-rubric branch) -> optimizer steps over minibatches -> push the new weights
+to the sampler. Checkpoints, logs and evaluations happen between updates.
+
+Run directory: ``config.json``, ``metrics.jsonl`` and ``tb/`` (the same scalars), ``checkpoints/``
+(Orbax), ``steps/<update>/`` (groups, rubrics and per-token credit of recorded updates),
+``eval/<update>/`` (tables), ``policy/`` (the final policy as a Hugging Face directory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import pathlib
+import random
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from orsd_jax import chat, evaluation
+from orsd_jax.advantages import gigpo_advantages, grpo_advantages
+from orsd_jax.batch import StepSample, build_batch
+from orsd_jax.checkpoints import Checkpoints
+from orsd_jax.config import TrainConfig, to_json
+from orsd_jax.credit import token_values
+from orsd_jax.envs.base import Task, TextEnv
+from orsd_jax.envs.pool import EnvPool
+from orsd_jax.loss import OrsdLoss
+from orsd_jax.metrics_log import MetricsLog, progress
+from orsd_jax.models import CausalLM, ModelConfig, load_model, resolve, save_hf
+from orsd_jax.rollout import Group, PromptBuilder, collect_groups
+from orsd_jax.rubrics import GroupRubric, generate_bundles, rubric_insert, rubric_metrics, verify_and_select
+from orsd_jax.train_step import TrainState, init_train_state, make_mesh, make_optimizer, make_train_step
+
+log = logging.getLogger("orsd_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSuite:
+    name: str
+    make_env: Callable[[], TextEnv]  # picklable, for spawned workers
+    build_prompt: PromptBuilder
+    train: tuple[Task, ...]
+    eval: tuple[Task, ...]
+
+
+def make_suite(config: TrainConfig) -> EnvSuite:
+    e, steps = config.env, config.rollout.max_steps
+    if e.name == "alfworld":
+        from orsd_jax.envs import alfworld
+
+        root = alfworld.default_games(e.difficulty, e.games_seed, e.train_games, e.eval_games)
+        train = alfworld.load_split(root, "train")
+        return EnvSuite(
+            "alfworld", functools.partial(alfworld.AlfworldEnv, max_steps=steps), alfworld.build_prompt,
+            tuple(train), tuple(alfworld.load_split(root, e.eval_split)),
+        )
+    from orsd_jax.envs import webshop
+
+    return EnvSuite(
+        "webshop", functools.partial(webshop.WebShopEnv, e.data_dir, max_steps=steps), webshop.build_prompt,
+        tuple(webshop.load_goals(e.data_dir, "train")), tuple(webshop.load_goals(e.data_dir, "test")),
+    )
+
+
+def tasks_for_update(train: Sequence[Task], n_tasks: int, seed: int, update: int) -> list[Task]:
+    """The data cursor: epochs of seeded shuffles of the train tasks, ``n_tasks`` per update."""
+    out = []
+    for idx in range(update * n_tasks, (update + 1) * n_tasks):
+        epoch, pos = divmod(idx, len(train))
+        order = list(range(len(train)))
+        random.Random(f"{seed}/epoch{epoch}").shuffle(order)
+        out.append(train[order[pos]])
+    return out
+
+
+def step_advantages(groups: Sequence[Group], config: TrainConfig) -> list[list[np.ndarray]]:
+    """Per group, per trajectory, ``float[steps]``: the advantage of each step sample."""
+    a, penalty = config.advantage, config.advantage.invalid_penalty
+    rows = [(g, t, s) for g, group in enumerate(groups) for t, traj in enumerate(group.trajectories) for s in traj.steps]
+    group_ids = np.array([g for g, _, _ in rows])
+    traj_ids = np.array([g * 10_000 + t for g, t, _ in rows])
+    step_rewards = np.array([s.reward - penalty * (not s.valid) for _, _, s in rows])
+    if config.method == "gigpo":
+        flat = gigpo_advantages(
+            step_rewards, group_ids, traj_ids, [s.observation for _, _, s in rows], gamma=a.gamma, omega=a.omega,
+            normalize_std=a.normalize_std, across_steps=a.across_steps,
+        )
+    elif a.across_steps:  # verl-agent: each step sample's own penalised reward, statistics over samples
+        outcome = {(g, t): traj.reward for g, group in enumerate(groups) for t, traj in enumerate(group.trajectories)}
+        sample_rewards = np.array([outcome[(g, t)] - penalty * (not s.valid) for g, t, s in rows])
+        flat = grpo_advantages(sample_rewards, group_ids, a.normalize_std)
+    else:  # per-trajectory statistics of the penalised outcome
+        traj_keys = sorted(set(traj_ids.tolist()))
+        totals = np.array([step_rewards[traj_ids == k].sum() for k in traj_keys])
+        per_traj = grpo_advantages(totals, np.array([k // 10_000 for k in traj_keys]), a.normalize_std)
+        flat = per_traj[np.searchsorted(traj_keys, traj_ids)]
+    out, i = [], 0
+    for group in groups:
+        out.append([])
+        for traj in group.trajectories:
+            out[-1].append(flat[i : i + len(traj.steps)])
+            i += len(traj.steps)
+    return out
+
+
+def step_samples(
+    groups: Sequence[Group],
+    advantages: Sequence[Sequence[np.ndarray]],
+    rubrics: Sequence[GroupRubric] | None,
+    fmt: chat.ChatFormat,
+    tokenizer,
+) -> tuple[list[StepSample], list[tuple[int, int, int]]]:
+    """Every step sample with its advantage and its group's rubric insert; and its (group, traj, step)."""
+    samples, index = [], []
+    tail = len(fmt.tail)
+    for g, group in enumerate(groups):
+        criteria = rubrics[g].criteria if rubrics else None
+        insert = tuple(chat.encode(tokenizer, rubric_insert(criteria))) if criteria else ()
+        for t, traj in enumerate(group.trajectories):
+            for s, step in enumerate(traj.steps):
+                samples.append(StepSample(
+                    prefix=step.prompt_ids[:-tail], tail=step.prompt_ids[-tail:], response=step.response_ids,
+                    old_logprobs=step.logprobs, advantage=float(advantages[g][t][s]), insert=insert,
+                ))  # fmt: skip
+                index.append((g, t, s))
+    return samples, index
+
+
+def rollout_metrics(groups: Sequence[Group], stats) -> dict[str, float]:
+    trajs = [t for g in groups for t in g.trajectories]
+    out = {
+        "env/success": float(np.mean([t.won for t in trajs])),
+        "env/score": float(np.mean([t.score for t in trajs])),
+        "env/reward": float(np.mean([t.reward for t in trajs])),
+        "env/steps": float(np.mean([len(t.steps) for t in trajs])),
+        "env/invalid_rate": stats.invalid_answers / max(stats.env_steps, 1),
+        "env/mixed_groups": float(np.mean([len(set(g.rewards)) > 1 for g in groups])),
+        "rollout/env_steps": float(stats.env_steps),
+        "rollout/truncated_prompts": float(stats.truncated_prompts),
+        "rollout/generated_tokens_per_s": stats.generated_tokens / max(stats.sampler_seconds, 1e-9),
+        "rollout/env_steps_per_s": stats.env_steps / max(stats.wall_seconds, 1e-9),
+        "time/rollout": stats.wall_seconds,
+    }
+    for task_type in sorted({t.task.task_type for t in trajs}):
+        out[f"env/success/{task_type}"] = float(np.mean([t.won for t in trajs if t.task.task_type == task_type]))
+    return out
+
+
+def _initial_policy(config: TrainConfig, out: pathlib.Path) -> tuple[CausalLM, object, pathlib.Path]:
+    """The model to train, its tokenizer, and a Hugging Face directory of its weights (for samplers)."""
+    m = config.model
+    options = dict(dtype=m.dtype, compute_dtype=m.compute_dtype, remat=m.remat, frozen_layers=m.frozen_layers)
+    if m.random_shape is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve(m.name))
+        shape = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, **m.random_shape}
+        model_config = ModelConfig(**shape, param_dtype=m.dtype)
+        model = CausalLM(model_config, nnx.Rngs(config.seed))
+        directory = out / "initial_policy"
+        if not (directory / "config.json").is_file():
+            save_hf(model, tokenizer, directory)
+        model, _ = load_model(directory, **options)  # through the checkpoint, as a real model
+        return model, tokenizer, directory
+    if m.warmstart is not None:
+        from orsd_jax.warmstart import cached_warmstart
+
+        directory = cached_warmstart(m.warmstart, log=log.info)
+    else:
+        directory = resolve(m.name)
+    model, tokenizer = load_model(directory, **options)
+    return model, tokenizer, directory
+
+
+def _make_sampler(config: TrainConfig, directory: pathlib.Path, model: CausalLM, tokenizer, out: pathlib.Path):
+    """The policy's sampler and the server it runs on (None in process)."""
+    max_len = max(
+        config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
+        config.rubric.max_prompt_tokens + config.rubric.max_new_tokens,
+    )
+    if config.sampler == "jax":
+        from orsd_jax.sampling.jax_sampler import JaxSampler
+
+        return JaxSampler(model, tokenizer, max_model_len=max_len, seed=config.seed), None
+    from orsd_jax.sampling.vllm_sampler import VLLMSampler
+    from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
+
+    server = VLLMServer(directory, ServerOptions(max_model_len=max_len, seed=config.seed), log_path=out / "logs" / "sampler.log")
+    return VLLMSampler(server, tokenizer, scratch_dir=out / "sampler_weights"), server
+
+
+def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out: pathlib.Path):
+    """The frozen verifier and the server it owns (or None)."""
+    from orsd_jax.rubrics import LocalModelVerifier, OpenAIVerifier, VerifierConfig
+
+    v = config.verifier
+    cache = str(out / "verifier_cache")
+    if v.kind == "local-jax":
+        frozen, _ = load_model(directory)
+        return LocalModelVerifier(frozen, tokenizer), None
+    if v.kind == "openai":
+        return OpenAIVerifier(dataclasses.replace(v.endpoint, cache_dir=cache)), None
+    from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
+
+    options = ServerOptions(served_model_name="verifier", max_model_len=4096, seed=config.seed, dev_mode=False)
+    server = VLLMServer(directory, options, log_path=out / "logs" / "verifier.log")
+    endpoint = VerifierConfig(base_url=f"{server.url}/v1", model="verifier", mode=v.mode, concurrency=8, cache_dir=cache)
+    return OpenAIVerifier(endpoint), server
+
+
+def _save_step(out: pathlib.Path, update: int, groups, rubrics, index, minibatches) -> None:
+    """What the credit maps show: groups (text), rubric candidates and selection, per-token values."""
+    directory = out / "steps" / f"{update:05d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "groups": [
+            {"task": dataclasses.asdict(g.task), "trajectories": [
+                {"won": t.won, "score": t.score, "reward": t.reward, "steps": [
+                    {"observation": s.observation, "response": s.response_text, "action": s.action,
+                     "valid": s.valid, "reward": s.reward, "response_ids": list(s.response_ids)}
+                    for s in t.steps]}
+                for t in g.trajectories]}
+            for g in groups
+        ],
+        "rubrics": None if rubrics is None else [
+            {"candidates": [{"criteria": list(b.criteria), "reason": b.reason} for b in r.bundles],
+             "satisfaction": np.where(np.isnan(r.satisfaction), None, r.satisfaction).tolist(),
+             "correlations": [None if np.isnan(c) else float(c) for c in r.selection.correlations],
+             "chosen": r.selection.index, "reason": r.selection.reason}
+            for r in rubrics
+        ],
+    }  # fmt: skip
+    (directory / "step.json").write_text(json.dumps(payload))
+    for k, (rows, values, mask) in enumerate(minibatches):
+        np.savez_compressed(directory / f"credit_{k}.npz", rows=np.array([index[r] for r in rows]), mask=mask, **values)
+
+
+class Run:
+    """The resources of one training run; ``train`` drives it."""
+
+    def __init__(self, config: TrainConfig, out_dir: str | os.PathLike):
+        self.config = config = config.resolved()
+        self.out = out = pathlib.Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(_compile_cache()))
+        self.suite = make_suite(config)
+        self.model, self.tokenizer, self.initial_dir = _initial_policy(config, out)
+        self.fmt = chat.chat_format(self.tokenizer)
+        mesh = make_mesh(config.devices)
+        if config.minibatch_rows % (mesh.size * config.micro_batches):
+            raise ValueError(f"minibatch_rows {config.minibatch_rows} must divide into {mesh.size} devices x {config.micro_batches} micro-batches")
+        optimizer = make_optimizer(config.optimizer, frozen_layers=config.model.frozen_layers)
+        self.graphdef, self.state, self.sharding = init_train_state(self.model, optimizer, mesh, config.fsdp)
+        self.train_step = make_train_step(OrsdLoss(config.loss), optimizer, self.graphdef, self.sharding)
+        self.checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
+        self.sampler = self.sampler_server = self.verifier = self.verifier_server = self.pool = None
+
+    def start_services(self) -> None:
+        c = self.config
+        self.sampler, self.sampler_server = _make_sampler(c, self.initial_dir, self.model, self.tokenizer, self.out)
+        if c.uses_rubrics:
+            self.verifier, self.verifier_server = _make_verifier(c, self.initial_dir, self.tokenizer, self.out)
+        self.pool = EnvPool(self.suite.make_env, c.n_tasks * c.group_size, c.env.workers)
+
+    def policy(self) -> CausalLM:
+        return nnx.merge(self.graphdef, self.state.params)
+
+    def close(self) -> None:
+        for resource in (self.pool, self.sampler, self.sampler_server, self.verifier_server):
+            if resource is not None:
+                resource.close()
+        self.checkpoints.close()
+
+
+def _compile_cache() -> pathlib.Path:
+    from orsd_jax.models import cache_dir
+
+    return cache_dir() / "jax_compile"
+
+
+def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
+    """One update of ``run.state``; returns its metrics and what ``_save_step`` records."""
+    c, started = run.config, time.perf_counter()
+    tasks = tasks_for_update(run.suite.train, c.n_tasks, c.seed, update)
+    seed = c.seed * 1_000_003 + update
+    groups, stats = collect_groups(
+        run.sampler, run.pool, tasks, c.group_size, c.rollout, seed,
+        tokenizer=run.tokenizer, fmt=run.fmt, build_prompt=run.suite.build_prompt,
+    )  # fmt: skip
+    metrics = rollout_metrics(groups, stats)
+    rubrics = None
+    if c.uses_rubrics:
+        t0 = time.perf_counter()
+        bundles = generate_bundles(run.sampler, groups, c.rubric, seed, tokenizer=run.tokenizer, fmt=run.fmt)
+        metrics["time/rubric_writing"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rng = np.random.default_rng([c.seed, update])
+        before = dataclasses.replace(run.verifier.stats)
+        rubrics = [verify_and_select(run.verifier, g, b, c.selection_mode, rng) for g, b in progress(list(zip(groups, bundles)), "verify")]
+        metrics["time/verification"] = time.perf_counter() - t0
+        metrics |= rubric_metrics(rubrics)
+        after = run.verifier.stats
+        for field in dataclasses.fields(after):
+            metrics[f"verifier/{field.name}"] = float(getattr(after, field.name) - getattr(before, field.name))
+    samples, index = step_samples(groups, step_advantages(groups, c), rubrics, run.fmt, run.tokenizer)
+    order = np.random.default_rng([c.seed, update, 1]).permutation(len(samples))
+    t0 = time.perf_counter()
+    sums: dict[str, float] = {}
+    recorded = []
+    record = c.credit_every and (update + 1) % c.credit_every == 0 or update + 1 == c.updates
+    for start in progress(range(0, len(samples), c.minibatch_rows), "train"):
+        rows = order[start : start + c.minibatch_rows].tolist()
+        batch = build_batch([samples[r] for r in rows], seq_multiple=128, response_multiple=32, batch_multiple=c.minibatch_rows)
+        if record:  # at the parameters this minibatch's loss uses
+            recorded.append((rows, token_values(run.graphdef, run.state.params, batch, c.loss), batch.response_mask))
+        run.state, step_metrics = run.train_step(run.state, batch, c.micro_batches)
+        step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+        tokens = step_metrics["tokens"]
+        for k, v in step_metrics.items():
+            sums[k] = sums.get(k, 0.0) + (v if k == "tokens" else v * tokens)
+    tokens = max(sums.pop("tokens", 0.0), 1.0)
+    without_rubric = ("gap", "rubric_token_frac")  # meaningless without a rubric stage
+    metrics |= {f"loss/{k}": v / tokens for k, v in sums.items() if c.uses_rubrics or not k.startswith(without_rubric)}
+    metrics["train/tokens"] = tokens
+    metrics["train/step_samples"] = float(len(samples))
+    metrics["time/train"] = time.perf_counter() - t0
+    metrics["train/tokens_per_s"] = tokens / metrics["time/train"]
+    t0 = time.perf_counter()
+    run.sampler.push_weights(run.policy(), update + 1)
+    metrics["time/weight_push"] = time.perf_counter() - t0
+    metrics["time/update"] = time.perf_counter() - started
+    return metrics, (groups, rubrics, index, recorded)
+
+
+def evaluate(run: Run, update: int) -> dict[str, float]:
+    """A deterministic sweep over the first ``eval_games`` tasks of the eval split."""
+    c = run.config
+    rollout = dataclasses.replace(c.rollout, temperature=c.eval_temperature)
+    tasks = run.suite.eval[: c.eval_games]
+    episodes = evaluation.sweep(run.sampler, run.pool, tasks, rollout, seed=c.seed + 7, tokenizer=run.tokenizer,
+                                fmt=run.fmt, build_prompt=run.suite.build_prompt)  # fmt: skip
+    evaluation.write(run.suite.name, episodes, run.out / "eval" / f"{update:05d}", f"{c.method} after {update} updates")
+    return {f"eval/{k}": v for k, v in evaluation.summary(run.suite.name, episodes).items()}
+
+
+def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False, stop_after: int | None = None) -> pathlib.Path:
+    """Runs (or resumes) a training run in ``out_dir``; returns the exported policy directory.
+
+    ``stop_after`` ends the process's work after that many updates (the run can be resumed).
+    """
+    out = pathlib.Path(out_dir)
+    saved = out / "config.json"
+    if resume:
+        if not saved.is_file():
+            raise FileNotFoundError(f"nothing to resume in {out}: no config.json")
+        from orsd_jax.config import from_json
+
+        config = from_json(saved.read_text())
+    elif (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
+        raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    run = Run(config, out)
+    c = run.config
+    saved.write_text(to_json(config))
+    start = 0
+    if resume:
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), run.state, run.sharding)
+        restored = run.checkpoints.restore_latest(abstract)
+        if restored is not None:
+            start, run.state, _ = restored
+            log.info("resumed from checkpoint %d", start)
+    metrics_log = MetricsLog(out, truncate_after=start)
+    try:
+        run.start_services()
+        if start:
+            run.sampler.push_weights(run.policy(), start)
+        for update in progress(range(start, c.updates), "updates", initial=start, total=c.updates):
+            if stop_after is not None and update >= stop_after:
+                return out / "policy"
+            metrics, artefacts = run_update(run, update)
+            if artefacts[3]:
+                _save_step(out, update + 1, *artefacts)
+            if c.eval_every and (update + 1) % c.eval_every == 0 and update + 1 < c.updates:
+                metrics |= evaluate(run, update + 1)
+            metrics_log.write(update + 1, metrics)
+            if (update + 1) % c.checkpoint_every == 0 or update + 1 == c.updates:
+                meta = {"update": update + 1, "seed": c.seed, "data_cursor": (update + 1) * c.n_tasks,
+                        "verifier_cache": str(out / "verifier_cache"), "config": json.loads(to_json(config))}  # fmt: skip
+                run.checkpoints.save(update + 1, run.state, meta)
+        final = evaluate(run, c.updates)
+        metrics_log.write(c.updates, final, final=True)
+        save_hf(run.policy(), run.tokenizer, out / "policy")
+        return out / "policy"
+    finally:
+        metrics_log.close()
+        run.close()

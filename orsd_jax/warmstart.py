@@ -1,0 +1,184 @@
+"""Supervised warm start on expert demonstrations, with the project's own train step.
+
+The loss is the masked token cross-entropy of the answer given the exact RL prompt: a
+demonstration is a ``StepSample`` without a rubric, and only its response tokens count. The
+same packed batch, jit-compiled sharded step and optimizer as RL are used; the result is a
+Hugging Face directory that the RL presets start from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import random
+import shutil
+import tempfile
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from orsd_jax import chat
+from orsd_jax.batch import Batch, StepSample, build_batch
+from orsd_jax.demos import Demonstration, alfworld_walkthrough, walkthrough_demos, write_jsonl
+from orsd_jax.loss import response_logprobs
+from orsd_jax.models import CausalLM, cache_dir, load_model, save_hf
+from orsd_jax.rollout import RolloutConfig
+from orsd_jax.train_step import OptimizerConfig, init_train_state, make_mesh, make_optimizer, make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class SupervisedLoss:
+    """``-sum log p(answer | prompt)`` over answer tokens, and their count (the token mean is exact
+    under micro-batching and data parallelism)."""
+
+    chunk_size: int = 64
+
+    def __call__(self, model: CausalLM, batch: Batch):
+        _, logp, _ = response_logprobs(model, batch, chunk_size=self.chunk_size, with_rubric=False)
+        mask = batch.response_mask
+        correct = jnp.sum((logp > jnp.log(0.5)) * mask)  # tokens the model already puts most mass on
+        return -jnp.sum(logp * mask), jnp.sum(mask), {"likely_tokens": correct}
+
+    @staticmethod
+    def metrics(sums, token_count):
+        return {"likely_token_frac": sums["likely_tokens"] / jnp.maximum(token_count, 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    epochs: int = 2
+    batch_size: int = 16  # step samples per update
+    micro_batches: int = 1
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4, weight_decay=0.0)
+    seed: int = 0
+
+
+def demo_sample(demo: Demonstration, fmt: chat.ChatFormat) -> StepSample:
+    """A demonstration as a step sample: the prompt without its chat tail, the answer as response."""
+    tail = len(fmt.tail)
+    if tuple(demo.prompt_ids[-tail:]) != fmt.tail:
+        raise ValueError(f"demonstration {demo.game} step {demo.step} was not built with this chat format")
+    return StepSample(
+        prefix=demo.prompt_ids[:-tail],
+        tail=fmt.tail,
+        response=demo.answer_ids,
+        old_logprobs=(0.0,) * len(demo.answer_ids),
+        advantage=0.0,
+    )
+
+
+def finetune(
+    model: CausalLM,
+    demos: Sequence[Demonstration],
+    config: WarmStartConfig,
+    *,
+    fmt: chat.ChatFormat,
+    log: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
+) -> CausalLM:
+    """The model after ``config.epochs`` passes over ``demos`` in shuffled mini-batches."""
+    samples = [demo_sample(d, fmt) for d in demos]
+    mesh = make_mesh()
+    optimizer = make_optimizer(config.optimizer, frozen_layers=model.config.frozen_layers)
+    graphdef, state, sharding = init_train_state(model, optimizer, mesh)
+    step = make_train_step(SupervisedLoss(), optimizer, graphdef, sharding)
+    rows = mesh.size * config.micro_batches
+    rng = random.Random(config.seed)
+    updates = 0
+    for epoch in range(config.epochs):
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        for start in range(0, len(order), config.batch_size):
+            chosen = [samples[i] for i in order[start : start + config.batch_size]]
+            started = time.perf_counter()
+            state, metrics = step(state, build_batch(chosen, batch_multiple=rows), config.micro_batches)
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            updates += 1
+            log(updates, metrics | {"epoch": epoch, "seconds": time.perf_counter() - started})
+    return nnx.merge(graphdef, state.params)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartRun:
+    """Everything that decides a warm start's output (its hash names the cache entry)."""
+
+    model: str = "smollm2-135m-instruct"
+    difficulty: str = "easy"
+    games_seed: int = 0
+    train_games: int = 200  # generated train split size (demonstrations use the first ``demo_games``)
+    eval_games: int = 50  # generated valid_seen / valid_unseen sizes
+    demo_games: int = 120
+    max_detours: int = 2
+    reasoning: bool = False
+    frozen_layers: int = 0
+    rollout: RolloutConfig = RolloutConfig()
+    train: WarmStartConfig = WarmStartConfig()
+
+    def key(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[str], None] = print) -> pathlib.Path:
+    """Demonstrations, fine-tuning and export: ``out_dir/policy`` (a Hugging Face directory),
+    ``out_dir/demos.jsonl`` and ``out_dir/warmstart.json`` (settings, timings, loss curve)."""
+    from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    model, tokenizer = load_model(run.model, frozen_layers=run.frozen_layers)
+    fmt = chat.chat_format(tokenizer)
+    root = default_games(run.difficulty, run.games_seed, run.train_games, run.eval_games)
+    tasks = load_split(root, "train")[: run.demo_games]
+    env = AlfworldEnv(max_steps=run.rollout.max_steps)
+    demos = walkthrough_demos(
+        env, tasks, alfworld_walkthrough, run.rollout, build_prompt, tokenizer=tokenizer, fmt=fmt,
+        reasoning=run.reasoning, max_detours=run.max_detours, seed=run.games_seed,
+    )
+    env.close()
+    write_jsonl(demos, out / "demos.jsonl")
+    demo_seconds = time.perf_counter() - started
+    log(f"{len(demos)} demonstrations from {len(tasks)} games ({demo_seconds:.0f} s) -> {out / 'demos.jsonl'}")
+    curve: list[dict[str, float]] = []
+
+    def log_step(step: int, metrics: dict[str, float]) -> None:
+        curve.append({"update": step, **metrics})
+        log(f"update {step}: loss {metrics['loss']:.3f}, likely tokens {metrics['likely_token_frac']:.2f}, {metrics['seconds']:.1f} s")
+
+    trained = finetune(model, demos, run.train, fmt=fmt, log=log_step)
+    train_seconds = time.perf_counter() - started - demo_seconds
+    save_hf(trained, tokenizer, out / "policy")
+    summary = {
+        "run": dataclasses.asdict(run),
+        "demonstrations": len(demos),
+        "demo_seconds": demo_seconds,
+        "train_seconds": train_seconds,
+        "tokens_trained": sum(len(d.prompt_ids) + len(d.answer_ids) for d in demos) * run.train.epochs,
+        "curve": curve,
+    }
+    (out / "warmstart.json").write_text(json.dumps(summary, indent=2, default=str))
+    log(f"fine-tuned in {train_seconds:.0f} s -> {out / 'policy'}")
+    return out / "policy"
+
+
+def cached_warmstart(run: WarmStartRun, log: Callable[[str], None] = print) -> pathlib.Path:
+    """``run``'s policy directory, computed once into the cache (``$ORSD_JAX_CACHE/warmstart/<hash>``)."""
+    target = cache_dir() / "warmstart" / run.key()
+    if (target / "policy" / "config.json").is_file():
+        return target / "policy"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{run.key()}.", dir=target.parent))
+    try:
+        run_warmstart(run, scratch, log)
+        if target.exists():
+            shutil.rmtree(target)
+        scratch.rename(target)  # atomic: a crash leaves no half entry
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target / "policy"
