@@ -35,7 +35,7 @@ from orsd_jax.sampling.vllm_server import ServerError, ServerOptions, VLLMServer
 
 pytestmark = pytest.mark.slow
 
-OPTIONS = ServerOptions(max_model_len=1024, cpu_kv_cache_gib=1, dtype="float32")
+OPTIONS = ServerOptions(max_model_len=1024, cpu_kv_cache_gib=1)  # default dtype and mode: float32, eager
 TEXTS = [
     "Write a short story about a cat who learns to fly.",
     "Explain why the sky is blue.",
@@ -338,7 +338,7 @@ CHILD = textwrap.dedent(
 def owner(served_dir):
     """A child process that owns a server, started with the module so that its server's startup
     overlaps the shared one's; ``test_no_orphans_after_the_owner_is_killed`` kills it."""
-    options = {"max_model_len": 256, "cpu_kv_cache_gib": 1, "dtype": "float32", "startup_timeout_s": 400}
+    options = {"max_model_len": 256, "cpu_kv_cache_gib": 1, "startup_timeout_s": 400}
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(served_dir), json.dumps(options)], stdout=subprocess.PIPE, text=True, env=env

