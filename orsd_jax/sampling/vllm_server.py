@@ -185,6 +185,12 @@ class VLLMServer:
         ]
         if o.eager or (o.eager is None and _cpu_build()):
             args.append("--enforce-eager")
+        if _cpu_build():
+            # A prefill split across engine steps discards one sampled token and rewinds the
+            # request's seeded generator, which the CPU generator cannot do (vLLM 0.32 crashes
+            # with "CPU Generator does not use offset"). A step budget of many full contexts
+            # keeps a batch's prefills whole.
+            args += ["--max-num-batched-tokens", str(max(32_768, 16 * o.max_model_len))]
         if o.gpu_memory_utilization is not None:
             args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
         return args + list(o.extra_args)
