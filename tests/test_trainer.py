@@ -1,0 +1,172 @@
+"""The training loop on the ``tiny`` preset: every method, exact resume after SIGKILL, damaged
+checkpoints, and the pieces the loop composes (advantages with penalties, step samples)."""
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from orsd_jax import chat
+from orsd_jax.config import preset
+from orsd_jax.envs.base import Task
+from orsd_jax.rollout import Group, Step, Trajectory
+from orsd_jax.rubrics import GroupRubric, ParsedBundle, Selection
+from orsd_jax.trainer import step_advantages, step_samples, tasks_for_update, train
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+TIMING = ("time/", "rollout/generated_tokens_per_s", "rollout/env_steps_per_s", "train/tokens_per_s", "verifier/latency_s")
+
+
+def _metrics(run: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _without_timing(record: dict) -> dict:
+    """The record less wall-clock figures; NaN (logged as null) compares equal to itself."""
+    return {k: float("nan") if v is None else v for k, v in record.items() if not k.startswith(TIMING)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted tiny ORSD run of 4 updates."""
+    out = tmp_path_factory.mktemp("reference")
+    train(dataclasses.replace(preset("tiny"), updates=4), out)
+    return out
+
+
+def test_orsd_logs_the_rubric_stage_and_gap(reference):
+    records = _metrics(reference)
+    assert [r["update"] for r in records] == [1, 2, 3, 4, 4] and records[-1].get("final")
+    for r in records[:-1]:
+        assert r["rubric/bundles"] == 4.0  # 2 groups x K = 2 candidates, each parsed and counted
+        assert r["rubric/valid_bundles"] + sum(v for k, v in r.items() if k.startswith("rubric/no_rubric/")) >= 0
+        assert {"loss/gap_mean", "loss/gap_std", "loss/gap_clip_frac", "loss/gap_adv_corr"} <= set(r)
+        assert r["train/step_samples"] == r["rollout/env_steps"]
+    assert (reference / "policy" / "config.json").is_file() and (reference / "eval").is_dir()
+    step = json.loads((reference / "steps" / "00004" / "step.json").read_text())
+    assert len(step["groups"]) == 2 and len(step["rubrics"]) == 2
+    assert len(step["rubrics"][0]["candidates"]) == 2
+
+
+@pytest.mark.parametrize("method", ["grpo", "gigpo", "orsd-single", "orsd-random"])
+def test_each_method_runs_two_updates(method, tmp_path):
+    train(dataclasses.replace(preset("tiny"), method=method), tmp_path)
+    records = _metrics(tmp_path)
+    assert [r["update"] for r in records[:2]] == [1, 2]
+    keys = set(records[0])
+    rubric_keys = {k for k in keys if k.startswith(("rubric/", "verifier/", "loss/gap"))}
+    if method.startswith("orsd"):
+        assert "rubric/bundles" in keys and "loss/gap_mean" in keys
+        assert records[0]["rubric/bundles"] == (2.0 if method == "orsd-single" else 4.0)
+    else:
+        assert not rubric_keys
+    assert json.loads((tmp_path / "config.json").read_text())["method"] == method
+
+
+def _start(out: pathlib.Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "experiments.train_alfworld", "--preset", "tiny", "--updates", "4", "--out", str(out), *extra]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_exact_resume_after_sigkill(reference, tmp_path):
+    out = tmp_path / "killed"
+    proc = _start(out)
+    deadline = time.time() + 600
+    while not (out / "checkpoints" / "2").is_dir():  # Orbax renames a checkpoint into place when complete
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "no second checkpoint within 10 minutes"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = _start(out, "--resume")
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    got, want = _metrics(out), _metrics(reference)
+    assert [r["update"] for r in got] == [1, 2, 3, 4, 4]
+    for a, b in zip(got, want):
+        assert _without_timing(a) == pytest.approx(_without_timing(b), rel=1e-6, abs=1e-7, nan_ok=True), a["update"]
+    for name, tensor in load_file(reference / "policy" / "model.safetensors").items():
+        np.testing.assert_array_equal(load_file(out / "policy" / "model.safetensors")[name], tensor, err_msg=name)
+
+
+def test_damaged_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
+    config = dataclasses.replace(preset("tiny"), updates=2, keep_checkpoints=2, method="grpo")
+    train(config, tmp_path, stop_after=2)
+    for path in (tmp_path / "checkpoints" / "2").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"damaged")
+    with caplog.at_level(logging.WARNING):
+        train(config, tmp_path, resume=True)
+    assert any("checkpoint 2" in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
+    assert [r["update"] for r in _metrics(tmp_path)] == [1, 2, 2]  # update 2 was redone from checkpoint 1
+
+
+def test_fresh_run_refuses_to_overwrite(reference):
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(preset("tiny"), reference)
+
+
+# The pieces the loop composes.
+
+
+def _traj(rewards_valid, task="t"):
+    steps = tuple(
+        Step(f"u{i}", (1, 2, 3, 9, 9), (4, 5), (-0.5, -0.25), "r", f"obs {i}", "a", valid, reward, False, 0)
+        for i, (reward, valid) in enumerate(rewards_valid)
+    )
+    return Trajectory(Task("alfworld", task, "pick", task), steps, won=any(r for r, _ in rewards_valid), score=0.0)
+
+
+def test_step_advantages_fold_the_invalid_penalty():
+    win = _traj([(0.0, True), (10.0, True)])
+    lose = _traj([(0.0, False), (0.0, True)])
+    groups = [Group(win.task, (win, lose))]
+    config = preset("tiny")
+    # Per trajectory: outcomes 10 and -0.1; mean 4.95, sample std 7.142; every step shares its trajectory's value.
+    adv = step_advantages(groups, dataclasses.replace(config, method="grpo"))
+    std = np.std([10.0, -0.1], ddof=1)
+    np.testing.assert_allclose(adv[0][0], [(10 - 4.95) / (std + 1e-6)] * 2, rtol=1e-6)
+    np.testing.assert_allclose(adv[0][1], [(-0.1 - 4.95) / (std + 1e-6)] * 2, rtol=1e-6)
+    # Across steps (verl-agent): samples 10, 10, -0.1, 0.
+    across = step_advantages(groups, dataclasses.replace(config, method="grpo", advantage=dataclasses.replace(config.advantage, across_steps=True)))
+    values = np.array([10.0, 10.0, -0.1, 0.0])
+    expected = (values - values.mean()) / (values.std(ddof=1) + 1e-6)
+    np.testing.assert_allclose(np.concatenate(across[0]), expected, rtol=1e-6)
+
+
+def test_step_samples_carry_the_rubric_and_the_prompt_split():
+    from transformers import AutoTokenizer
+
+    from orsd_jax.models import EMBEDDED, resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve(EMBEDDED))
+    fmt = chat.chat_format(tokenizer)
+    prompt = tuple(chat.prompt_ids(fmt, tokenizer, "go somewhere"))
+    step = Step("go somewhere", prompt, (7, 8), (-0.1, -0.2), "r", "o", "a", True, 0.0, False, 0)
+    groups = [Group(Task("alfworld", "k", "pick", "d"), (Trajectory(Task("alfworld", "k", "pick", "d"), (step,), False, 0.0),))]
+    criteria = ("The agent checks the desk first.",) * 5
+    rubric = GroupRubric((ParsedBundle(criteria, ""),), np.zeros((1, 1)), Selection(0, np.zeros(1), ""))
+    samples, index = step_samples(groups, [[np.array([0.5])]], [rubric], fmt, tokenizer)
+    s = samples[0]
+    assert tuple(s.prefix) + tuple(s.tail) == prompt and tuple(s.tail) == fmt.tail
+    assert tokenizer.decode(list(s.prefix) + list(s.insert) + list(s.tail)).endswith(
+        "The agent checks the desk first.<|im_end|>\n<|im_start|>assistant\n")
+    assert s.advantage == 0.5 and index == [(0, 0, 0)]
+    plain, _ = step_samples(groups, [[np.array([0.5])]], None, fmt, tokenizer)
+    assert plain[0].insert == ()
+
+
+def test_data_cursor_covers_every_task_once_per_epoch():
+    tasks = [Task("alfworld", str(i), "pick", "") for i in range(10)]
+    seen = [t.key for u in range(5) for t in tasks_for_update(tasks, 2, seed=3, update=u)]
+    assert sorted(seen) == sorted(t.key for t in tasks)
+    assert tasks_for_update(tasks, 2, 3, 7) == tasks_for_update(tasks, 2, 3, 7)
