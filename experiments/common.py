@@ -119,6 +119,12 @@ def main(env: str, doc: str, argv: list[str] | None = None) -> None:
 
     out = pathlib.Path(args.out or f"runs/{config.preset}-{env}-{config.method}")
     policy = train(config, out, resume=args.resume, stop_after=args.stop_after)
+    from orsd_jax.credit import recorded_updates
+
+    if recorded_updates(out):
+        from experiments.credit_report import write_report
+
+        write_report(out)
     print(f"\nrun directory: {out.resolve()}")
     for name, path in [("metrics", "metrics.jsonl"), ("tensorboard", "tb"), ("checkpoints", "checkpoints"),
                        ("credit report", "credit_report.html")]:  # fmt: skip

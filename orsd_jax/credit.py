@@ -3,12 +3,18 @@
 ``token_values`` evaluates, for a packed batch at given parameters, exactly the intermediate
 quantities of ``OrsdLoss`` (same function calls): log-probs with and without the rubric, their
 gap, the step sample's advantage and the corrected token advantage. The trainer records them
-for the minibatches of an update, computed at the parameters that minibatch's loss used.
+for the minibatches of an update, computed at the parameters that minibatch's loss used;
+``load_credit`` reads them back with the text they belong to.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import os
+import pathlib
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,3 +46,108 @@ def _values(graphdef, params, batch: Batch, config: LossConfig) -> dict[str, jax
 def token_values(graphdef, params, batch: Batch, config: LossConfig) -> dict[str, np.ndarray]:
     """``[B, Y]`` arrays: logp_with, logp_without, gap, advantage, corrected, gap_clipped."""
     return {k: np.asarray(v) for k, v in _values(graphdef, params, batch, config).items()}
+
+
+# Reading a run's records back (``trainer._save_step``): what notebooks and reports show.
+
+VALUES = ("logp_with", "logp_without", "gap", "advantage", "corrected", "gap_clipped")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCredit:
+    """One step sample of a recorded update with its per-token values (each ``[Y]``, Y = response length)."""
+
+    group: int
+    trajectory: int
+    step: int
+    task: str
+    observation: str
+    response: str
+    response_ids: tuple[int, ...]
+    pieces: tuple[str, ...]  # the response as text, one piece per token; they concatenate to the decoded response
+    won: bool
+    reward: float
+    criteria: tuple[str, ...] | None  # the group's selected rubric (None: the group got none)
+    values: dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRecord:
+    task: str
+    rewards: tuple[float, ...]
+    candidates: tuple[tuple[str, ...], ...]  # the K bundles' criteria (empty for an unparseable one)
+    correlations: tuple[float | None, ...]  # Spearman of each bundle's satisfaction with the rewards
+    chosen: int | None
+    reason: str  # why the group got no rubric ("" when it got one)
+
+
+@dataclasses.dataclass(frozen=True)
+class CreditRecord:
+    update: int
+    groups: tuple[GroupRecord, ...]
+    steps: tuple[StepCredit, ...]  # in (group, trajectory, step) order
+
+
+def token_pieces(tokenizer, ids: Sequence[int]) -> tuple[str, ...]:
+    """Per-token text whose concatenation is ``tokenizer.decode(ids)``. A token that ends inside a
+    multi-byte character gets ``""`` and the character goes to the token that completes it."""
+    pieces, shown = [], ""
+    for i in range(len(ids)):
+        text = tokenizer.decode(list(ids[: i + 1]))
+        if text.endswith("\ufffd") and i + 1 < len(ids) or not text.startswith(shown):
+            pieces.append("")
+            continue
+        pieces.append(text[len(shown) :])
+        shown = text
+    return tuple(pieces)
+
+
+def recorded_updates(run_dir: str | os.PathLike) -> list[int]:
+    """Updates of ``run_dir`` with recorded per-token credit."""
+    steps = pathlib.Path(run_dir) / "steps"
+    return sorted(int(d.name) for d in steps.glob("*") if (d / "step.json").is_file() and any(d.glob("credit_*.npz")))
+
+
+def load_credit(run_dir: str | os.PathLike, update: int | None = None, tokenizer=None) -> CreditRecord:
+    """The recorded update ``update`` (default: the last) of a run, with the tokenizer of its policy."""
+    run = pathlib.Path(run_dir)
+    updates = recorded_updates(run)
+    if not updates:
+        raise FileNotFoundError(f"{run} has no recorded credit (steps/<update>/step.json and credit_*.npz)")
+    update = updates[-1] if update is None else update
+    if update not in updates:
+        raise FileNotFoundError(f"update {update} of {run} was not recorded; recorded: {updates}")
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(next(d for d in (run / "policy", run / "initial_policy") if d.is_dir()))
+    directory = run / "steps" / f"{update:05d}"
+    payload = json.loads((directory / "step.json").read_text())
+    rubrics = payload["rubrics"] or [None] * len(payload["groups"])
+    groups = []
+    for g, r in zip(payload["groups"], rubrics):
+        rewards = tuple(float(t["reward"]) for t in g["trajectories"])
+        if r is None:
+            groups.append(GroupRecord(g["task"]["description"], rewards, (), (), None, "no rubric stage"))
+        else:
+            groups.append(GroupRecord(
+                g["task"]["description"], rewards, tuple(tuple(c["criteria"]) for c in r["candidates"]),
+                tuple(r["correlations"]), r["chosen"], r["reason"],
+            ))  # fmt: skip
+    values: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
+    for path in sorted(directory.glob("credit_*.npz")):
+        with np.load(path) as data:
+            for i, key in enumerate(map(tuple, data["rows"].tolist())):
+                n = int(data["mask"][i].sum())
+                values[key] = {name: data[name][i, :n] for name in VALUES}
+    steps = []
+    for (g, t, s), v in sorted(values.items()):
+        group, step = payload["groups"][g], payload["groups"][g]["trajectories"][t]["steps"][s]
+        traj, rubric = group["trajectories"][t], groups[g]
+        ids = tuple(step["response_ids"])
+        steps.append(StepCredit(
+            g, t, s, rubric.task, step["observation"], step["response"], ids, token_pieces(tokenizer, ids),
+            bool(traj["won"]), float(traj["reward"]),
+            None if rubric.chosen is None else rubric.candidates[rubric.chosen], v,
+        ))  # fmt: skip
+    return CreditRecord(update, tuple(groups), tuple(steps))

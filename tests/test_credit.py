@@ -1,0 +1,185 @@
+"""Per-token credit: the recorded values are the loss's own, the notebook runs top to bottom on a
+``tiny`` run, and the HTML report renders in headless Chromium."""
+
+import dataclasses
+import html.parser
+import json
+import os
+import pathlib
+
+import jax.numpy as jnp
+import nbformat
+import numpy as np
+import pytest
+from nbclient import NotebookClient
+from PIL import Image
+from test_loss import make_samples, tiny_model
+from transformers import AutoTokenizer
+
+from experiments.credit_report import rendered_dom, screenshot, write_report
+from orsd_jax.batch import build_batch
+from orsd_jax.config import preset
+from orsd_jax.credit_html import gap_colour
+from orsd_jax.credit import load_credit, recorded_updates, token_pieces, token_values
+from orsd_jax.loss import LossConfig, OrsdLoss
+from orsd_jax.models import EMBEDDED, resolve
+from orsd_jax.trainer import train
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("tiny-orsd")
+    train(preset("tiny"), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve(EMBEDDED))
+
+
+def test_token_values_are_what_the_loss_uses():
+    """At ratio 1 (old log-probs = current) and without entropy/KL terms, the loss is exactly
+    ``-mean(corrected advantage)``, so the recorded ``corrected`` is the loss's token advantage."""
+    graphdef, params = tiny_model()
+    samples = make_samples((True, False, True, True))
+    config = LossConfig(coef=0.8, clip=0.2, entropy_coef=0.0, chunk_size=4)
+    values = token_values(graphdef, params, build_batch(samples, seq_multiple=16, response_multiple=4), config)
+    samples = [dataclasses.replace(s, old_logprobs=values["logp_without"][i, : len(s.response)].tolist())
+               for i, s in enumerate(samples)]  # fmt: skip
+    batch = build_batch(samples, seq_multiple=16, response_multiple=4)
+    from flax import nnx
+
+    loss_sum, count, sums = OrsdLoss(config)(nnx.merge(graphdef, params), batch)
+    mask = np.asarray(batch.response_mask)
+    np.testing.assert_allclose(float(loss_sum), -np.sum(values["corrected"] * mask), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(sums["gap"]), np.sum(values["gap"] * mask), rtol=1e-5, atol=1e-6)
+    # The correction by hand from the recorded gap: A + coef * clip(gap, -c, c).
+    expected = values["advantage"] + config.coef * np.clip(values["gap"], -config.clip, config.clip)
+    np.testing.assert_allclose(values["corrected"] * mask, expected * mask, rtol=1e-6, atol=1e-6)
+    assert np.all(values["gap"][~np.asarray(batch.has_rubric)] == 0)  # no rubric, no gap
+    assert np.any(np.abs(values["gap"][np.asarray(batch.has_rubric)] * mask[np.asarray(batch.has_rubric)]) > 1e-3)
+    assert np.any(values["gap_clipped"])  # clip 0.2 is small against this random model's gaps
+    assert jnp.isfinite(loss_sum) and float(count) == mask.sum()
+
+
+def test_recorded_credit_matches_the_run(run):
+    """The run's per-token records hold every step sample of the last update with the advantage the
+    loss used (recomputed here by hand from the recorded rewards) and the logged gap statistics."""
+    assert recorded_updates(run) == [2]
+    record = load_credit(run)
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1]
+    assert logged["update"] == 2 and len(record.steps) == logged["train/step_samples"]
+    groups = json.loads((run / "steps" / "00002" / "step.json").read_text())["groups"]
+    penalty = preset("tiny").advantage.invalid_penalty
+    for g, group in enumerate(groups):
+        outcome = np.array([sum(s["reward"] - penalty * (not s["valid"]) for s in t["steps"]) for t in group["trajectories"]])
+        expected = (outcome - outcome.mean()) / (outcome.std(ddof=1) + 1e-6)
+        for s in (s for s in record.steps if s.group == g):
+            np.testing.assert_allclose(s.values["advantage"], expected[s.trajectory], rtol=1e-5, atol=1e-6)
+    rubric = [s for s in record.steps if s.criteria is not None]
+    gaps = np.concatenate([s.values["gap"] for s in rubric]) if rubric else np.zeros(0)
+    np.testing.assert_allclose(logged["loss/rubric_token_frac"] * logged["train/tokens"], len(gaps), atol=1e-3)
+    if len(gaps):
+        np.testing.assert_allclose(gaps.mean(), logged["loss/gap_mean"], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(gaps.std(), logged["loss/gap_std"], rtol=1e-3, atol=1e-5)
+    for s in record.steps:  # a group without a selected rubric keeps its advantage on every token
+        if s.criteria is None:
+            np.testing.assert_array_equal(s.values["corrected"], s.values["advantage"])
+            assert not s.values["gap"].any()
+
+
+def test_token_pieces_concatenate_to_the_decoded_text(tokenizer):
+    for text in ["<think></think>\n<action>go to desk 1</action>", "naïve café — 東京 🙂 ok", ""]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        pieces = token_pieces(tokenizer, ids)
+        assert len(pieces) == len(ids) and "".join(pieces) == tokenizer.decode(ids)
+    ids = tokenizer.encode("🙂", add_special_tokens=False)
+    assert len(ids) > 1 and token_pieces(tokenizer, ids)[-1] == "🙂"  # the character on the token completing it
+
+
+def test_missing_records_are_named(tmp_path, run):
+    with pytest.raises(FileNotFoundError, match="no recorded credit"):
+        load_credit(tmp_path)
+    with pytest.raises(FileNotFoundError, match="update 1 .* was not recorded; recorded: \\[2\\]"):
+        load_credit(run, 1)
+
+
+def test_notebook_runs_top_to_bottom(run, tmp_path, tokenizer):
+    notebook = nbformat.read(REPO / "notebooks" / "credit_maps.ipynb", as_version=4)
+    env = {"ORSD_RUN": str(run), "ORSD_NOTEBOOK_OUT": str(tmp_path)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits this process's environment
+    try:
+        NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    image = Image.open(tmp_path / "credit_map.png")
+    assert image.width > 200 and image.height > 100
+    shown = json.loads((tmp_path / "credit_map.json").read_text())
+    steps = json.loads((run / "steps" / "00002" / "step.json").read_text())["groups"]
+    assert shown
+    for entry in shown:
+        g, t, s = entry["key"]
+        ids = steps[g]["trajectories"][t]["steps"][s]["response_ids"]
+        assert entry["response_ids"] == ids and "".join(entry["pieces"]) == tokenizer.decode(ids)
+        assert len(entry["gap"]) == len(ids)
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the map was drawn
+    assert not any(o.get("output_type") == "error" for o in outputs)
+
+
+class _Responses(html.parser.HTMLParser):
+    """Text of every ``div.response`` of a DOM, keyed by its ``data-key``, and its token spans."""
+
+    def __init__(self):
+        super().__init__()
+        self.text: dict[str, str] = {}
+        self.spans: dict[str, int] = {}
+        self._key, self._depth = None, 0
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "div" and "response" in (attrs.get("class") or "").split():
+            self._key, self._depth = attrs["data-key"], 0
+            self.text[self._key], self.spans[self._key] = "", 0
+        elif self._key is not None:
+            self._depth += 1
+            self.spans[self._key] += tag == "span"
+
+    def handle_endtag(self, tag):
+        if self._key is not None:
+            if self._depth == 0:
+                self._key = None
+            else:
+                self._depth -= 1
+
+    def handle_data(self, data):
+        if self._key is not None:
+            self.text[self._key] += data
+
+
+def test_html_report_in_headless_chromium(run, tmp_path, tokenizer):
+    page = write_report(run, out=tmp_path / "report.html")
+    parser = _Responses()
+    parser.feed(rendered_dom(page))
+    steps = json.loads((run / "steps" / "00002" / "step.json").read_text())["groups"]
+    record = load_credit(run)
+    assert len(parser.text) == len(record.steps)
+    for s in record.steps:
+        key = f"{s.group}-{s.trajectory}-{s.step}"
+        ids = steps[s.group]["trajectories"][s.trajectory]["steps"][s.step]["response_ids"]
+        assert parser.text[key] == tokenizer.decode(ids) and parser.spans[key] == len(ids)
+    png = screenshot(page, tmp_path / "report.png", width=1000, height=900)
+    pixels = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    assert pixels.shape == (900, 1000, 3)
+    assert (pixels.sum(axis=2) < 200).sum() > 2000  # dark text was laid out, not a blank page
+
+
+def test_gap_colours():
+    assert gap_colour(0.0, 1.0) == "rgba(37, 99, 235, 0.000)"
+    assert gap_colour(0.5, 1.0) == "rgba(37, 99, 235, 0.375)"
+    assert gap_colour(-3.0, 1.0) == "rgba(220, 38, 38, 0.750)"  # saturates at the clip
