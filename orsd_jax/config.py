@@ -148,6 +148,7 @@ def from_json(text: str) -> TrainConfig:
 # Presets.
 
 _EASY_ROLLOUT = RolloutConfig(max_steps=8, max_prompt_tokens=1024, max_response_tokens=48)
+_CPU_RUBRIC = RubricConfig(candidates=4, trajectory_budget_tokens=160, max_new_tokens=160)
 _CPU_WARMSTART = WarmStartRun(
     model=EMBEDDED,
     difficulty="easy",
@@ -156,6 +157,7 @@ _CPU_WARMSTART = WarmStartRun(
     reasoning=False,
     frozen_layers=24,
     rollout=_EASY_ROLLOUT,
+    rubric=_CPU_RUBRIC,
     train=WarmStartConfig(epochs=1, batch_size=16, optimizer=OptimizerConfig(learning_rate=2e-4, weight_decay=0.0)),
 )
 
@@ -171,7 +173,7 @@ def _cpu_demo(env: str) -> TrainConfig:
         group_size=4,
         updates=3,
         rollout=_EASY_ROLLOUT,
-        rubric=RubricConfig(candidates=4, trajectory_budget_tokens=120, max_new_tokens=160),
+        rubric=_CPU_RUBRIC,
         verifier=VerifierSetup(kind="local-vllm", mode="logprob"),
         loss=LossConfig(entropy_coef=0.0),
         optimizer=OptimizerConfig(learning_rate=2e-5, weight_decay=0.0),

@@ -25,10 +25,11 @@ from flax import nnx
 
 from orsd_jax import chat
 from orsd_jax.batch import Batch, StepSample, build_batch
-from orsd_jax.demos import Demonstration, alfworld_walkthrough, walkthrough_demos, write_jsonl
+from orsd_jax.demos import Demonstration, alfworld_walkthrough, rubric_demo, walkthrough_demos, write_jsonl
 from orsd_jax.loss import response_logprobs
 from orsd_jax.models import CausalLM, cache_dir, load_model, save_hf
 from orsd_jax.rollout import RolloutConfig
+from orsd_jax.rubrics.generate import RubricConfig
 from orsd_jax.train_step import OptimizerConfig, init_train_state, make_mesh, make_optimizer, make_train_step
 
 
@@ -91,10 +92,15 @@ def finetune(
     rng = random.Random(config.seed)
     updates = 0
     for epoch in range(config.epochs):
-        order = list(range(len(samples)))
-        rng.shuffle(order)
-        for start in range(0, len(order), config.batch_size):
-            chosen = [samples[i] for i in order[start : start + config.batch_size]]
+        # Rubric demonstrations (step -1) have prompts twice as long: batched apart, they pad no action rows.
+        batches = []
+        for kind in (False, True):
+            order = [i for i, d in enumerate(demos) if (d.step < 0) == kind]
+            rng.shuffle(order)
+            batches += [order[s : s + config.batch_size] for s in range(0, len(order), config.batch_size)]
+        rng.shuffle(batches)
+        for batch in batches:
+            chosen = [samples[i] for i in batch]
             started = time.perf_counter()
             state, metrics = step(state, build_batch(chosen, batch_multiple=rows), config.micro_batches)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -117,6 +123,7 @@ class WarmStartRun:
     reasoning: bool = False
     frozen_layers: int = 0
     rollout: RolloutConfig = RolloutConfig()
+    rubric: RubricConfig | None = None  # also one rubric-writing demonstration per demo game
     train: WarmStartConfig = WarmStartConfig()
 
     def key(self) -> str:
@@ -141,6 +148,11 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
         env, tasks, alfworld_walkthrough, run.rollout, build_prompt, tokenizer=tokenizer, fmt=fmt,
         reasoning=run.reasoning, max_detours=run.max_detours, seed=run.games_seed,
     )
+    if run.rubric is not None:
+        rng = random.Random(f"{run.games_seed}/rubrics")
+        for task in tasks:
+            demos.append(rubric_demo(env, task, alfworld_walkthrough(task), run.rollout, run.rubric, build_prompt,
+                                     tokenizer=tokenizer, fmt=fmt, rng=rng))  # fmt: skip
     env.close()
     write_jsonl(demos, out / "demos.jsonl")
     demo_seconds = time.perf_counter() - started

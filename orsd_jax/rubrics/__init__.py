@@ -8,7 +8,9 @@ from typing import Sequence
 import numpy as np
 
 from orsd_jax.rollout import Group
-from orsd_jax.rubrics.generate import RUBRIC_PROMPT_VERSION, RubricConfig, generate_bundles, rubric_insert, rubric_prompt
+from orsd_jax.rubrics.generate import (
+    RUBRIC_PROMPT_VERSION, RubricConfig, generate_bundles, group_prompt, rubric_insert, rubric_prompt,
+)
 from orsd_jax.rubrics.parse import MAX_CRITERIA, MIN_CRITERIA, ParsedBundle, parse_bundle
 from orsd_jax.rubrics.select import MODES, Selection, average_ranks, select_bundle, spearman
 from orsd_jax.rubrics.verify import DASHSCOPE, LocalModelVerifier, OpenAIVerifier, Verifier, VerifierConfig, VerifierStats
@@ -62,7 +64,7 @@ def rubric_metrics(results: Sequence[GroupRubric]) -> dict[str, float]:
         "rubric/correlation_spread": float(np.mean(spreads)) if spreads else float("nan"),
     }
     for reason, count in reasons.items():
-        out[f"rubric/no_rubric/{reason}"] = float(count)
+        out[f"rubric/no_rubric/{reason.replace(' ', '_')}"] = float(count)
     return out
 
 
@@ -83,6 +85,7 @@ __all__ = [
     "VerifierStats",
     "average_ranks",
     "generate_bundles",
+    "group_prompt",
     "parse_bundle",
     "rubric_insert",
     "rubric_metrics",

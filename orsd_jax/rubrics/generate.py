@@ -12,7 +12,8 @@ import dataclasses
 from typing import Sequence
 
 from orsd_jax import chat
-from orsd_jax.rollout import Group
+from orsd_jax.envs.base import Task
+from orsd_jax.rollout import Group, Trajectory
 from orsd_jax.rubrics.parse import ParsedBundle, parse_bundle
 from orsd_jax.rubrics.render import render_group
 from orsd_jax.sampling.base import Sampler, SamplingParams
@@ -47,6 +48,27 @@ def rubric_insert(criteria: Sequence[str]) -> str:
     return f"\n\nA good attempt at this task satisfies these criteria:\n{numbered}"
 
 
+def group_prompt(task: Task, trajectories: Sequence[Trajectory], config: RubricConfig, *, tokenizer, fmt: chat.ChatFormat) -> list[int]:
+    """The rubric writer's prompt for one group: every trajectory rendered within the token budget,
+    halved until the whole prompt fits ``config.max_prompt_tokens``."""
+
+    def count_tokens(text: str) -> int:
+        return len(chat.encode(tokenizer, text))
+
+    budget = config.trajectory_budget_tokens
+    while True:
+        attempts = render_group(trajectories, budget, count_tokens)
+        ids = chat.prompt_ids(fmt, tokenizer, rubric_prompt(task.description, attempts, len(trajectories)))
+        if len(ids) <= config.max_prompt_tokens:
+            return ids
+        if budget <= 16:
+            raise ValueError(
+                f"the rubric prompt for {task.key} needs {len(ids)} tokens even with "
+                f"{budget}-token trajectories; raise RubricConfig.max_prompt_tokens"
+            )
+        budget //= 2  # shorter renderings until the whole group fits
+
+
 def generate_bundles(
     sampler: Sampler,
     groups: Sequence[Group],
@@ -58,24 +80,7 @@ def generate_bundles(
 ) -> list[tuple[ParsedBundle, ...]]:
     """``K`` parsed bundles per group (valid or not), in one sampler call."""
 
-    def count_tokens(text: str) -> int:
-        return len(chat.encode(tokenizer, text))
-
-    prompts = []
-    for group in groups:
-        budget = config.trajectory_budget_tokens
-        while True:
-            attempts = render_group(group.trajectories, budget, count_tokens)
-            ids = chat.prompt_ids(fmt, tokenizer, rubric_prompt(group.task.description, attempts, len(group.trajectories)))
-            if len(ids) <= config.max_prompt_tokens:
-                break
-            if budget <= 16:
-                raise ValueError(
-                    f"the rubric prompt for {group.task.key} needs {len(ids)} tokens even with "
-                    f"{budget}-token trajectories; raise RubricConfig.max_prompt_tokens"
-                )
-            budget //= 2  # shorter renderings until the whole group fits
-        prompts.append(ids)
+    prompts = [group_prompt(group.task, group.trajectories, config, tokenizer=tokenizer, fmt=fmt) for group in groups]
     params = SamplingParams(
         temperature=config.temperature,
         top_p=config.top_p,

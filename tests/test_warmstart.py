@@ -1,0 +1,126 @@
+"""Warm start: demonstrations see exactly the RL prompts, the loss counts answer tokens only, and
+rubric-writing demonstrations use the rubric writer's own prompt."""
+
+import functools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from transformers import AutoTokenizer
+
+from orsd_jax import chat
+from orsd_jax.batch import build_batch
+from orsd_jax.demos import alfworld_walkthrough, plan_criteria, record_episode, rubric_demo, walkthrough_demos
+from orsd_jax.envs import EnvPool
+from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
+from orsd_jax.models import EMBEDDED, CausalLM, ModelConfig, resolve
+from orsd_jax.rollout import Group, RolloutConfig, collect_groups
+from orsd_jax.rubrics import RubricConfig, group_prompt, parse_bundle
+from orsd_jax.sampling.jax_sampler import JaxSampler
+from orsd_jax.warmstart import SupervisedLoss, demo_sample
+
+ROLLOUT = RolloutConfig(max_steps=4, max_prompt_tokens=1024, max_response_tokens=24, history_length=2)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tokenizer = AutoTokenizer.from_pretrained(resolve(EMBEDDED))
+    config = ModelConfig(architecture="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    tasks = load_split(default_games("easy", 0, 200, 50), "train")
+    return tokenizer, chat.chat_format(tokenizer), CausalLM(config, nnx.Rngs(0)), tasks
+
+
+def test_demonstration_prompts_are_the_rollout_prompts(setup):
+    """Replaying a real rollout's actions through the demonstration recorder rebuilds every prompt byte for byte."""
+    tokenizer, fmt, model, tasks = setup
+    sampler = JaxSampler(model, tokenizer, max_model_len=1100, seed=0)
+    pool = EnvPool(functools.partial(AlfworldEnv, max_steps=ROLLOUT.max_steps), 2, n_workers=1)
+    try:
+        (group,), _ = collect_groups(sampler, pool, tasks[:1], 2, ROLLOUT, seed=3, tokenizer=tokenizer, fmt=fmt,
+                                     build_prompt=build_prompt)  # fmt: skip
+    finally:
+        pool.close()
+    env = AlfworldEnv(max_steps=ROLLOUT.max_steps)
+    try:
+        for traj in group.trajectories:
+            assert len(traj.steps) >= 2  # history enters the later prompts
+            records = record_episode(env, traj.task, [s.action or "" for s in traj.steps], ROLLOUT, build_prompt,
+                                     tokenizer=tokenizer, fmt=fmt)  # fmt: skip
+            assert [r[0] for r in records] == [s.user_text for s in traj.steps]
+            assert [tuple(r[1]) for r in records] == [s.prompt_ids for s in traj.steps]
+            assert [r[3] for r in records] == [s.observation for s in traj.steps]
+        # And a walkthrough demonstration's prompt at step k is the rollout prompt after its first k actions.
+        demos = walkthrough_demos(env, tasks[1:2], alfworld_walkthrough, ROLLOUT, build_prompt, tokenizer=tokenizer, fmt=fmt)
+        plan = alfworld_walkthrough(tasks[1])
+        records = record_episode(env, tasks[1], plan[: len(demos)], ROLLOUT, build_prompt, tokenizer=tokenizer, fmt=fmt)
+        assert [d.prompt_ids for d in demos] == [tuple(r[1]) for r in records]
+    finally:
+        env.close()
+
+
+def test_rubric_demonstration_uses_the_writers_prompt(setup):
+    tokenizer, fmt, _, tasks = setup
+    rubric = RubricConfig(trajectory_budget_tokens=160, max_new_tokens=160)
+    env = AlfworldEnv(max_steps=8)
+    try:
+        plan = alfworld_walkthrough(tasks[0])
+        demo = rubric_demo(env, tasks[0], plan, ROLLOUT, rubric, build_prompt, tokenizer=tokenizer, fmt=fmt,
+                           rng=random.Random(0))  # fmt: skip
+    finally:
+        env.close()
+    parsed = parse_bundle(demo.answer)
+    assert parsed.valid and parsed.criteria == plan_criteria(plan)  # the target is a valid bundle
+    assert demo.answer_ids[-1] == fmt.stop_token_ids[0] and len(demo.answer_ids) < rubric.max_new_tokens
+    assert demo.prompt_ids[-len(fmt.tail):] == fmt.tail and demo.step == -1
+    assert f"Task: {tasks[0].description}" in demo.user_text and "Attempt 4" in demo.user_text
+
+
+def test_plan_criteria():
+    plan = ["go to countertop 1", "take apple 1 from countertop 1", "go to microwave 1", "heat apple 1 with microwave 1",
+            "go to diningtable 1", "move apple 1 to diningtable 1"]  # fmt: skip
+    assert plan_criteria(plan) == (
+        "The agent takes the apple 1 from the countertop 1.",
+        "The agent uses the microwave 1 to heat the apple 1 before putting it anywhere.",
+        "The agent puts the apple 1 in or on the diningtable 1.",
+        "The agent only chooses actions from the admissible list.",
+        "The agent goes to places that can hold the object instead of wandering.",
+        "The agent does not repeat an action that changed nothing.",
+        "The agent does not pick up objects the task does not mention.",
+    )
+
+
+def test_supervised_loss_counts_answer_tokens_only(setup):
+    """By hand: -sum over answer tokens of log softmax(logits)[next token], from a plain forward."""
+    tokenizer, fmt, model, _ = setup
+    from orsd_jax.demos import Demonstration
+
+    prompt = chat.prompt_ids(fmt, tokenizer, "You are in a room. Your task is to: look at a book.")
+    answer = chat.encode(tokenizer, "<think></think><action>go to desk 1</action>") + [fmt.stop_token_ids[0]]
+    demo = Demonstration("g", 0, "", tuple(prompt), "", tuple(answer))
+    batch = build_batch([demo_sample(demo, fmt)], seq_multiple=16, response_multiple=8, batch_multiple=2)
+    loss_sum, count, _ = SupervisedLoss(chunk_size=4)(model, batch)
+    ids = jnp.asarray([prompt + answer], jnp.int32)
+    logp = jax.nn.log_softmax(model(ids)[0], axis=-1)
+    targets = np.asarray(prompt + answer)[1:]
+    per_token = np.asarray(logp[np.arange(len(targets)), targets])  # log p(token t+1 | tokens <= t)
+    answer_terms = per_token[len(prompt) - 1 :]
+    assert float(count) == len(answer)
+    np.testing.assert_allclose(float(loss_sum), -answer_terms.sum(), rtol=1e-5)
+    assert abs(-per_token.sum() - float(loss_sum)) > 1.0  # the prompt's tokens would have changed it
+    # The gradient is that of the answer terms alone: the prompt's own next-token terms get none.
+    graphdef, params = nnx.split(model)
+
+    def supervised(p):
+        return SupervisedLoss(chunk_size=4)(nnx.merge(graphdef, p), batch)[0]
+
+    def answer_only(p):
+        lp = jax.nn.log_softmax(nnx.merge(graphdef, p)(ids)[0], axis=-1)[jnp.arange(len(targets)), targets]
+        return -jnp.sum(lp[len(prompt) - 1 :])
+
+    for a, b in zip(jax.tree.leaves(jax.grad(supervised)(params)), jax.tree.leaves(jax.grad(answer_only)(params))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
