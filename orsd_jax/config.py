@@ -152,13 +152,13 @@ _CPU_RUBRIC = RubricConfig(candidates=4, trajectory_budget_tokens=160, max_new_t
 _CPU_WARMSTART = WarmStartRun(
     model=EMBEDDED,
     difficulty="easy",
-    demo_games=32,
+    demo_games=24,
     max_detours=2,
     reasoning=False,
-    frozen_layers=24,
+    frozen_layers=22,
     rollout=_EASY_ROLLOUT,
     rubric=_CPU_RUBRIC,
-    train=WarmStartConfig(epochs=1, batch_size=16, optimizer=OptimizerConfig(learning_rate=2e-4, weight_decay=0.0)),
+    train=WarmStartConfig(epochs=2, batch_size=16, optimizer=OptimizerConfig(learning_rate=2e-4, weight_decay=0.0)),
 )
 
 

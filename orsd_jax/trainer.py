@@ -12,6 +12,7 @@ Run directory: ``config.json``, ``metrics.jsonl`` and ``tb/`` (the same scalars)
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -266,11 +267,23 @@ class Run:
         self.sampler = self.sampler_server = self.verifier = self.verifier_server = self.pool = None
 
     def start_services(self) -> None:
+        """The sampler, the verifier and the environment pool, started side by side (vLLM servers
+        spend most of their start-up waiting on imports and files)."""
         c = self.config
-        self.sampler, self.sampler_server = _make_sampler(c, self.initial_dir, self.model, self.tokenizer, self.out)
-        if c.uses_rubrics:
-            self.verifier, self.verifier_server = _make_verifier(c, self.initial_dir, self.tokenizer, self.out)
-        self.pool = EnvPool(self.suite.make_env, c.n_tasks * c.group_size, c.env.workers)
+        with concurrent.futures.ThreadPoolExecutor(3) as executor:
+            sampler = executor.submit(_make_sampler, c, self.initial_dir, self.model, self.tokenizer, self.out)
+            verifier = executor.submit(_make_verifier, c, self.initial_dir, self.tokenizer, self.out) if c.uses_rubrics else None
+            envs = executor.submit(EnvPool, self.suite.make_env, c.n_tasks * c.group_size, c.env.workers)
+        # Keep whatever started, so that close() stops it when another part failed.
+        if sampler.exception() is None:
+            self.sampler, self.sampler_server = sampler.result()
+        if verifier is not None and verifier.exception() is None:
+            self.verifier, self.verifier_server = verifier.result()
+        if envs.exception() is None:
+            self.pool = envs.result()
+        for future in (sampler, verifier, envs):
+            if future is not None and future.exception() is not None:
+                raise future.exception()
 
     def policy(self) -> CausalLM:
         return nnx.merge(self.graphdef, self.state.params)

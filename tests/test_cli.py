@@ -1,0 +1,42 @@
+"""The training command line: dry-run plans of the paper presets, and flags mapped onto the config."""
+
+import pytest
+
+from experiments.common import config_from_args, main, parser
+
+
+@pytest.mark.parametrize("env", ["alfworld", "webshop"])
+@pytest.mark.parametrize("name", ["paper-qwen3-1.7b", "paper-qwen3-4b"])
+def test_dry_run_prints_the_plan(env, name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(env, "", ["--preset", name, "--dry-run"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0, out
+    model = "Qwen/Qwen3-4B" if name.endswith("4b") else "Qwen/Qwen3-1.7B"
+    assert f"preset {name}, method orsd, environment {env}, model {model}" in out
+    assert "devices: 4 (" in out and "mesh ('data',) = (4,)" in out
+    assert "memory per device (GB):" in out and "(fits, 90% usable)" in out
+    assert "interaction budget: 300 updates x 8 tasks x 8 rollouts = 19200 episodes" in out
+
+
+def test_dry_run_fails_clearly_when_the_plan_does_not_fit(capsys):
+    # Qwen3-4B with replicated f32 parameters and AdamW on one 80 GB device.
+    with pytest.raises(SystemExit) as exit_:
+        main("alfworld", "", ["--preset", "paper-qwen3-4b", "--no-fsdp", "--devices", "1", "--dry-run"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 2
+    assert "DOES NOT FIT" in out and "the plan does not fit: use --fsdp, more --devices or more micro-batches" in out
+
+
+def test_flags_override_the_preset():
+    args = parser("alfworld", "").parse_args(
+        ["--preset", "cpu-demo", "--method", "grpo", "--updates", "5", "--coef", "0.3", "--candidates", "2",
+         "--model", "some/dir", "--verifier", "openai", "--verifier-url", "http://127.0.0.1:9/v1", "--verifier-model", "m"]
+    )  # fmt: skip
+    c = config_from_args("alfworld", args)
+    assert (c.method, c.updates, c.loss.coef, c.rubric.candidates) == ("grpo", 5, 0.3, 2)
+    assert c.model.name == "some/dir" and c.model.warmstart is None  # an explicit model replaces the warm start
+    assert c.verifier.kind == "openai" and c.verifier.endpoint.base_url == "http://127.0.0.1:9/v1"
+    assert c.resolved().loss.coef == 0.0  # GRPO: no correction whatever --coef says
+    with pytest.raises(SystemExit):
+        config_from_args("alfworld", parser("alfworld", "").parse_args(["--verifier", "openai"]))
