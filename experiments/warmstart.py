@@ -43,33 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def evaluate_policy(policy: pathlib.Path, tasks, rollout: RolloutConfig, out: pathlib.Path, sampler_kind: str) -> dict:
-    """Success and valid-answer rate of ``policy`` on ``tasks`` through the real sampler."""
-    from orsd_jax import chat, evaluation
-    from orsd_jax.envs import EnvPool
-    from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt
-    from orsd_jax.models import load_model
-    from orsd_jax.sampling.jax_sampler import JaxSampler
-    from orsd_jax.sampling.vllm_sampler import VLLMSampler
-    from orsd_jax.sampling.vllm_server import ServerOptions
-
-    model, tokenizer = load_model(policy)
-    fmt = chat.chat_format(tokenizer)
-    max_len = rollout.max_prompt_tokens + rollout.max_response_tokens
-    if sampler_kind == "vllm":
-        sampler = VLLMSampler(policy, tokenizer, options=ServerOptions(max_model_len=max_len))
-    else:
-        sampler = JaxSampler(model, tokenizer, max_model_len=max_len)
-    pool = EnvPool(functools.partial(AlfworldEnv, max_steps=rollout.max_steps), n_envs=min(16, len(tasks)))
-    try:
-        episodes = evaluation.sweep(sampler, pool, tasks, rollout, seed=0, tokenizer=tokenizer, fmt=fmt, build_prompt=build_prompt)
-    finally:
-        pool.close()
-        sampler.close()
-    evaluation.write("alfworld", episodes, out, "warm start")
-    return evaluation.summary("alfworld", episodes)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)  # before any game loads: the planner overwrites sys.argv
     rollout = RolloutConfig(max_steps=args.max_steps, max_prompt_tokens=args.max_prompt_tokens)
@@ -90,12 +63,15 @@ def main(argv: list[str] | None = None) -> None:
     policy = run_warmstart(run, out)
     print(f"warm start done in {time.perf_counter() - started:.0f} s: {policy}")
     if args.eval_games:
-        from orsd_jax.envs.alfworld import default_games, load_split
+        from experiments.evaluate import evaluate_policy
+        from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
+        from orsd_jax.trainer import EnvSuite
 
         root = default_games(run.difficulty, run.games_seed, run.train_games, run.eval_games)
         tasks = load_split(root, "valid_seen")[: args.eval_games]
         eval_rollout = dataclasses.replace(rollout, temperature=args.eval_temperature)
-        summary = evaluate_policy(policy, tasks, eval_rollout, out, args.sampler)
+        suite = EnvSuite("alfworld", functools.partial(AlfworldEnv, max_steps=rollout.max_steps), build_prompt, (), tuple(tasks))
+        summary = evaluate_policy(policy, suite, tasks, eval_rollout, out, args.sampler, "warm start")
         info = json.loads((out / "warmstart.json").read_text())
         (out / "warmstart.json").write_text(json.dumps(info | {"eval": summary}, indent=2))
         print((out / "eval.md").read_text())

@@ -40,7 +40,7 @@ from orsd_jax.metrics_log import MetricsLog, progress
 from orsd_jax.models import CausalLM, ModelConfig, load_model, resolve, save_hf
 from orsd_jax.rollout import Group, PromptBuilder, collect_groups
 from orsd_jax.rubrics import GroupRubric, generate_bundles, rubric_insert, rubric_metrics, verify_and_select
-from orsd_jax.train_step import TrainState, init_train_state, make_mesh, make_optimizer, make_train_step
+from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
 
 log = logging.getLogger("orsd_jax")
 

@@ -1,6 +1,5 @@
 """JaxSampler against transformers' generate and the model's own log-probs."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

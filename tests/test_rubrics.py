@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orsd_jax.envs.base import Task
-from orsd_jax.rollout import Group, Step, Trajectory
+from orsd_jax.rollout import Step, Trajectory
 from orsd_jax.rubrics import average_ranks, parse_bundle, rubric_insert, select_bundle, spearman
 from orsd_jax.rubrics.generate import rubric_prompt
 from orsd_jax.rubrics.render import render_group, render_trajectory

@@ -4,7 +4,6 @@ checkpoints, and the pieces the loop composes (advantages with penalties, step s
 import dataclasses
 import json
 import logging
-import os
 import pathlib
 import signal
 import subprocess

@@ -17,8 +17,8 @@ from orsd_jax.demos import alfworld_walkthrough, plan_criteria, record_episode, 
 from orsd_jax.envs import EnvPool
 from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
 from orsd_jax.models import EMBEDDED, CausalLM, ModelConfig, resolve
-from orsd_jax.rollout import Group, RolloutConfig, collect_groups
-from orsd_jax.rubrics import RubricConfig, group_prompt, parse_bundle
+from orsd_jax.rollout import RolloutConfig, collect_groups
+from orsd_jax.rubrics import RubricConfig, parse_bundle
 from orsd_jax.sampling.jax_sampler import JaxSampler
 from orsd_jax.warmstart import SupervisedLoss, demo_sample
 

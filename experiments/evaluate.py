@@ -1,0 +1,87 @@
+"""Evaluate a policy on an evaluation split: success per task type and the valid-answer rate.
+
+    python -m experiments.evaluate --policy runs/cpu-demo-alfworld-orsd/policy --split valid_unseen
+    python -m experiments.evaluate                       # the cpu-demo preset's warm start (cached)
+    python -m experiments.evaluate --env webshop --preset tiny --policy DIR --games 100
+
+The split, the games and the rollout settings (step limit, prompt budget) come from ``--preset``;
+one deterministic sweep (seeded sampling at ``--temperature``) over the first ``--games`` tasks.
+Writes OUT/eval.md and OUT/eval.csv (per episode) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+
+from orsd_jax.config import PRESETS, preset
+
+
+def evaluate_policy(policy, suite, tasks, rollout, out: pathlib.Path, sampler_kind: str, title: str, seed: int = 0) -> dict:
+    """Success and valid-answer rate of the Hugging Face directory ``policy`` on ``tasks`` of ``suite``."""
+    from orsd_jax import chat, evaluation
+    from orsd_jax.envs import EnvPool
+    from orsd_jax.models import load_model
+
+    model, tokenizer = load_model(policy)
+    fmt = chat.chat_format(tokenizer)
+    max_len = rollout.max_prompt_tokens + rollout.max_response_tokens
+    if sampler_kind == "vllm":
+        from orsd_jax.sampling.vllm_sampler import VLLMSampler
+        from orsd_jax.sampling.vllm_server import ServerOptions
+
+        sampler = VLLMSampler(policy, tokenizer, options=ServerOptions(max_model_len=max_len))
+    else:
+        from orsd_jax.sampling.jax_sampler import JaxSampler
+
+        sampler = JaxSampler(model, tokenizer, max_model_len=max_len)
+    pool = EnvPool(suite.make_env, n_envs=min(16, len(tasks)))
+    try:
+        episodes = evaluation.sweep(sampler, pool, tasks, rollout, seed=seed, tokenizer=tokenizer, fmt=fmt,
+                                    build_prompt=suite.build_prompt)  # fmt: skip
+    finally:
+        pool.close()
+        sampler.close()
+    evaluation.write(suite.name, episodes, out, title)
+    return evaluation.summary(suite.name, episodes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", help="Hugging Face directory or registry name (default: the preset's initial policy)")
+    p.add_argument("--env", default="alfworld", choices=["alfworld", "webshop"])
+    p.add_argument("--preset", default="cpu-demo", choices=sorted(PRESETS))
+    p.add_argument("--split", help="ALFWorld: valid_seen or valid_unseen; WebShop: test (default: the preset's)")
+    p.add_argument("--games", type=int, help="tasks to evaluate (default: the preset's eval_games)")
+    p.add_argument("--temperature", type=float, help="default: the preset's eval temperature")
+    p.add_argument("--sampler", default="vllm", choices=["vllm", "jax"])
+    p.add_argument("--data-dir", help="WebShop data (default $WEBSHOP_DATA)")
+    p.add_argument("--out", default="runs/eval", help="output directory")
+    args = p.parse_args(argv)  # before any game loads: the planner overwrites sys.argv
+    config = preset(args.preset, args.env)
+    env = dataclasses.replace(config.env, eval_split=args.split or config.env.eval_split,
+                              data_dir=args.data_dir or config.env.data_dir)  # fmt: skip
+    config = dataclasses.replace(config, env=env)
+    from orsd_jax.models import resolve
+    from orsd_jax.trainer import make_suite
+
+    if args.policy:
+        policy = resolve(args.policy)
+    elif config.model.warmstart is not None:
+        from orsd_jax.warmstart import cached_warmstart
+
+        policy = cached_warmstart(config.model.warmstart)
+    else:
+        policy = resolve(config.model.name)
+    suite = make_suite(config)
+    tasks = suite.eval[: args.games or config.eval_games]
+    rollout = dataclasses.replace(config.rollout, temperature=config.eval_temperature if args.temperature is None else args.temperature)
+    out = pathlib.Path(args.out)
+    summary = evaluate_policy(policy, suite, tasks, rollout, out, args.sampler, f"{policy} on {env.eval_split}")
+    print((out / "eval.md").read_text())
+    print(", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    main()
