@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import pathlib
 import random
@@ -99,10 +100,12 @@ def finetune(
             rng.shuffle(order)
             batches += [order[s : s + config.batch_size] for s in range(0, len(order), config.batch_size)]
         rng.shuffle(batches)
-        for batch in batches:
-            chosen = [samples[i] for i in batch]
+        for indices in batches:
+            chosen = [samples[i] for i in indices]
             started = time.perf_counter()
-            state, metrics = step(state, build_batch(chosen, batch_multiple=rows), config.micro_batches)
+            # Every batch padded to batch_size rows: one compiled shape per prompt-length bucket.
+            batch = build_batch(chosen, batch_multiple=math.lcm(rows, config.batch_size))
+            state, metrics = step(state, batch, config.micro_batches)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             updates += 1
             log(updates, metrics | {"epoch": epoch, "seconds": time.perf_counter() - started})

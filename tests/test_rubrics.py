@@ -144,3 +144,20 @@ def test_selection_modes():
         select_bundle(sat, rewards, "single", np.random.default_rng(0))
     with pytest.raises(ValueError, match="unknown selection mode"):
         select_bundle(sat, rewards, "best", np.random.default_rng(0))
+
+
+def test_real_outputs_of_the_embedded_model():
+    """Rubric writer outputs of the embedded model after the cpu-demo warm start (recorded data)."""
+    import json
+    import pathlib
+
+    recorded = json.loads((pathlib.Path(__file__).parent / "data" / "rubric_outputs_smollm2.json").read_text())["outputs"]
+    parsed = [parse_bundle(text) for text in recorded]
+    # Read by hand: criteria of 3-60 words, one per numbered line; too few or none is rejected.
+    assert [len(p.criteria) for p in parsed] == [1, 2, 1, 6, 8, 1, 4, 0]
+    assert [p.valid for p in parsed] == [False, False, False, True, True, False, False, False]
+    assert parsed[3].criteria[0] == "The 4 tasks share an action, set in a time and place that changes in a process."
+    assert "7. The agent" in recorded[3] and not any(c == "The agent" for c in parsed[3].criteria)  # cut off: 2 words
+    assert len(recorded[1].splitlines()) == 3 and parsed[1].criteria[1].startswith("Step 4:")  # the 70-word item is dropped
+    assert parsed[2].criteria == ("4. The agent turns on the object held by the agent instead of question-pausing.",)
+    assert parsed[7].reason == "no list of criteria found"  # markup, no list
