@@ -109,7 +109,8 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
 def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     args = parser(env, doc).parse_args(argv)  # before any game loads: the planner overwrites sys.argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-file chatter
+    for chatty in ("absl", "httpx"):  # Orbax's per-file and the verifier's per-request lines
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     config = config_from_args(env, args)
     if args.dry_run:
         report, fits = plan(config)

@@ -74,7 +74,7 @@ class StepCredit:
 @dataclasses.dataclass(frozen=True)
 class GroupRecord:
     task: str
-    rewards: tuple[float, ...]
+    rewards: tuple[float, ...]  # returns: outcome reward minus invalid-answer penalties (what selection ranks)
     candidates: tuple[tuple[str, ...], ...]  # the K bundles' criteria (empty for an unparseable one)
     correlations: tuple[float | None, ...]  # Spearman of each bundle's satisfaction with the rewards
     chosen: int | None
@@ -126,7 +126,7 @@ def load_credit(run_dir: str | os.PathLike, update: int | None = None, tokenizer
     rubrics = payload["rubrics"] or [None] * len(payload["groups"])
     groups = []
     for g, r in zip(payload["groups"], rubrics):
-        rewards = tuple(float(t["reward"]) for t in g["trajectories"])
+        rewards = tuple(float(t["return"]) for t in g["trajectories"])
         if r is None:
             groups.append(GroupRecord(g["task"]["description"], rewards, (), (), None, "no rubric stage"))
         else:

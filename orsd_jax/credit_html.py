@@ -52,7 +52,7 @@ def _tokens(step: StepCredit, clip: float) -> str:
 
 def _group(g: int, group: GroupRecord, steps: Sequence[StepCredit], clip: float) -> str:
     parts = [f'<section class="group"><h2>Group {g}: {html.escape(group.task)}</h2>',
-             f"<p>Outcome rewards: {', '.join(f'{r:g}' for r in group.rewards)}</p>"]  # fmt: skip
+             f"<p>Returns (outcome reward minus invalid-answer penalties): {', '.join(f'{r:g}' for r in group.rewards)}</p>"]  # fmt: skip
     if group.chosen is not None:
         rho = group.correlations[group.chosen]
         parts.append(f"<p>Selected rubric (bundle {group.chosen}, Spearman {rho:+.3f}):</p><ol class=\"criteria\">")

@@ -84,6 +84,12 @@ def tasks_for_update(train: Sequence[Task], n_tasks: int, seed: int, update: int
     return out
 
 
+def returns(group: Group, invalid_penalty: float) -> np.ndarray:
+    """``float[G]``: each trajectory's outcome reward minus the penalty of its invalid answers, the
+    ``R`` of the GRPO advantage and of the rubric selection."""
+    return np.array([t.reward - invalid_penalty * t.invalid_steps for t in group.trajectories])
+
+
 def step_advantages(groups: Sequence[Group], config: TrainConfig) -> list[list[np.ndarray]]:
     """Per group, per trajectory, ``float[steps]``: the advantage of each step sample."""
     a, penalty = config.advantage, config.advantage.invalid_penalty
@@ -101,10 +107,10 @@ def step_advantages(groups: Sequence[Group], config: TrainConfig) -> list[list[n
         sample_rewards = np.array([outcome[(g, t)] - penalty * (not s.valid) for g, t, s in rows])
         flat = grpo_advantages(sample_rewards, group_ids, a.normalize_std)
     else:  # per-trajectory statistics of the penalised outcome
-        traj_keys = sorted(set(traj_ids.tolist()))
-        totals = np.array([step_rewards[traj_ids == k].sum() for k in traj_keys])
-        per_traj = grpo_advantages(totals, np.array([k // 10_000 for k in traj_keys]), a.normalize_std)
-        flat = per_traj[np.searchsorted(traj_keys, traj_ids)]
+        totals = np.concatenate([returns(group, penalty) for group in groups])
+        owners = np.concatenate([[g] * len(group.trajectories) for g, group in enumerate(groups)])
+        per_traj = grpo_advantages(totals, owners, a.normalize_std)
+        flat = np.concatenate([[per_traj[i]] * len(t.steps) for i, t in enumerate(t for g in groups for t in g.trajectories)])
     out, i = [], 0
     for group in groups:
         out.append([])
@@ -219,18 +225,18 @@ def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out:
     return OpenAIVerifier(endpoint), server
 
 
-def _save_step(out: pathlib.Path, update: int, groups, rubrics, index, minibatches) -> None:
+def _save_step(out: pathlib.Path, update: int, invalid_penalty: float, groups, rubrics, index, minibatches) -> None:
     """What the credit maps show: groups (text), rubric candidates and selection, per-token values."""
     directory = out / "steps" / f"{update:05d}"
     directory.mkdir(parents=True, exist_ok=True)
     payload = {
         "groups": [
             {"task": dataclasses.asdict(g.task), "trajectories": [
-                {"won": t.won, "score": t.score, "reward": t.reward, "steps": [
+                {"won": t.won, "score": t.score, "reward": t.reward, "return": float(r), "steps": [
                     {"observation": s.observation, "response": s.response_text, "action": s.action,
                      "valid": s.valid, "reward": s.reward, "response_ids": list(s.response_ids)}
                     for s in t.steps]}
-                for t in g.trajectories]}
+                for t, r in zip(g.trajectories, returns(g, invalid_penalty))]}
             for g in groups
         ],
         "rubrics": None if rubrics is None else [
@@ -319,7 +325,9 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
         t0 = time.perf_counter()
         rng = np.random.default_rng([c.seed, update])
         before = dataclasses.replace(run.verifier.stats)
-        rubrics = [verify_and_select(run.verifier, g, b, c.selection_mode, rng) for g, b in progress(list(zip(groups, bundles)), "verify")]
+        penalty = c.advantage.invalid_penalty
+        rubrics = [verify_and_select(run.verifier, g, b, c.selection_mode, rng, returns(g, penalty))
+                   for g, b in progress(list(zip(groups, bundles)), "verify")]  # fmt: skip
         metrics["time/verification"] = time.perf_counter() - t0
         metrics |= rubric_metrics(rubrics)
         after = run.verifier.stats
@@ -401,7 +409,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
                 return out / "policy"
             metrics, artefacts = run_update(run, update)
             if artefacts[3]:
-                _save_step(out, update + 1, *artefacts)
+                _save_step(out, update + 1, c.advantage.invalid_penalty, *artefacts)
             if c.eval_every and (update + 1) % c.eval_every == 0 and update + 1 < c.updates:
                 metrics |= evaluate(run, update + 1)
             metrics_log.write(update + 1, metrics)

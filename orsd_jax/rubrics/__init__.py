@@ -31,16 +31,22 @@ class GroupRubric:
 
 
 def verify_and_select(
-    verifier: Verifier, group: Group, bundles: Sequence[ParsedBundle], mode: str, rng: np.random.Generator
+    verifier: Verifier,
+    group: Group,
+    bundles: Sequence[ParsedBundle],
+    mode: str,
+    rng: np.random.Generator,
+    rewards: Sequence[float] | None = None,
 ) -> GroupRubric:
-    """Scores the valid bundles on every trajectory and selects one (``mode``: spearman/single/random)."""
+    """Scores the valid bundles on every trajectory and selects one (``mode``: spearman/single/random)
+    by rank correlation with ``rewards [G]``: the returns the advantages use (default: the outcome rewards)."""
     valid = [b for b, bundle in enumerate(bundles) if bundle.valid]
     satisfaction = np.full((len(bundles), len(group.trajectories)), np.nan)
     if valid:
         scores = verifier.score_many(group.task.description, group.trajectories, [bundles[b].criteria for b in valid])
         for b, s in zip(valid, scores):
             satisfaction[b] = s.mean(axis=1)  # NaN for a trajectory that could not be scored
-    rewards = np.asarray(group.rewards, float)
+    rewards = np.asarray(group.rewards if rewards is None else rewards, float)
     return GroupRubric(tuple(bundles), satisfaction, select_bundle(satisfaction, rewards, mode, rng))
 
 
