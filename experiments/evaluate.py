@@ -24,18 +24,21 @@ def evaluate_policy(policy, suite, tasks, rollout, out: pathlib.Path, sampler_ki
     from orsd_jax.envs import EnvPool
     from orsd_jax.models import load_model
 
-    model, tokenizer = load_model(policy)
-    fmt = chat.chat_format(tokenizer)
     max_len = rollout.max_prompt_tokens + rollout.max_response_tokens
-    if sampler_kind == "vllm":
+    if sampler_kind == "vllm":  # the server loads the weights; this process needs the tokenizer only
+        from transformers import AutoTokenizer
+
         from orsd_jax.sampling.vllm_sampler import VLLMSampler
         from orsd_jax.sampling.vllm_server import ServerOptions
 
+        tokenizer = AutoTokenizer.from_pretrained(policy)
         sampler = VLLMSampler(policy, tokenizer, options=ServerOptions(max_model_len=max_len))
     else:
         from orsd_jax.sampling.jax_sampler import JaxSampler
 
+        model, tokenizer = load_model(policy)
         sampler = JaxSampler(model, tokenizer, max_model_len=max_len)
+    fmt = chat.chat_format(tokenizer)
     pool = EnvPool(suite.make_env, n_envs=min(16, len(tasks)))
     try:
         episodes = evaluation.sweep(sampler, pool, tasks, rollout, seed=seed, tokenizer=tokenizer, fmt=fmt,

@@ -108,8 +108,23 @@ def recorded_updates(run_dir: str | os.PathLike) -> list[int]:
     return sorted(int(d.name) for d in steps.glob("*") if (d / "step.json").is_file() and any(d.glob("credit_*.npz")))
 
 
+def run_tokenizer(run_dir: str | os.PathLike):
+    """The tokenizer of a run's policy, also for a run that has not exported one yet."""
+    from transformers import AutoTokenizer
+
+    from orsd_jax.config import from_json
+    from orsd_jax.models import resolve
+
+    run = pathlib.Path(run_dir)
+    for directory in (run / "policy", run / "initial_policy"):
+        if (directory / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(directory)
+    model = from_json((run / "config.json").read_text()).model
+    return AutoTokenizer.from_pretrained(resolve(model.warmstart.model if model.warmstart else model.name))
+
+
 def load_credit(run_dir: str | os.PathLike, update: int | None = None, tokenizer=None) -> CreditRecord:
-    """The recorded update ``update`` (default: the last) of a run, with the tokenizer of its policy."""
+    """The recorded update ``update`` (default: the last) of a run (``tokenizer``: default ``run_tokenizer``)."""
     run = pathlib.Path(run_dir)
     updates = recorded_updates(run)
     if not updates:
@@ -117,10 +132,7 @@ def load_credit(run_dir: str | os.PathLike, update: int | None = None, tokenizer
     update = updates[-1] if update is None else update
     if update not in updates:
         raise FileNotFoundError(f"update {update} of {run} was not recorded; recorded: {updates}")
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(next(d for d in (run / "policy", run / "initial_policy") if d.is_dir()))
+    tokenizer = run_tokenizer(run) if tokenizer is None else tokenizer
     directory = run / "steps" / f"{update:05d}"
     payload = json.loads((directory / "step.json").read_text())
     rubrics = payload["rubrics"] or [None] * len(payload["groups"])

@@ -173,7 +173,9 @@ def loss_and_grads(
     tokens = sums.pop("tokens")
     count = jnp.maximum(tokens, 1)
     grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
-    return grads, sums.pop("loss") / count, loss.metrics(sums, tokens) | {"tokens": tokens}
+    # The raw sums too ("sum/<name>"): a caller combining several steps recomputes exact means.
+    raw = {f"sum/{k}": v for k, v in sums.items() if k != "loss"}
+    return grads, sums.pop("loss") / count, loss.metrics(sums, tokens) | raw | {"tokens": tokens}
 
 
 def make_train_step(
@@ -185,7 +187,7 @@ def make_train_step(
     The input state is donated. The batch may be numpy: it is split over ``"data"`` on the way
     in, so its row count must divide evenly (``build_batch(..., batch_multiple=devices *
     micro_batches)``). Metrics are replicated scalars: ``loss`` (token mean), ``grad_norm``
-    (before clipping), ``tokens`` and the loss's own metrics.
+    (before clipping), ``tokens``, the loss's own metrics and the sums they come from (``sum/*``).
     """
     mesh = jax.tree.leaves(state_sharding)[0].mesh
 

@@ -40,7 +40,7 @@ from orsd_jax.metrics_log import MetricsLog, progress
 from orsd_jax.models import CausalLM, ModelConfig, load_model, resolve, save_hf
 from orsd_jax.rollout import Group, PromptBuilder, collect_groups
 from orsd_jax.rubrics import GroupRubric, generate_bundles, rubric_insert, rubric_metrics, verify_and_select
-from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
+from orsd_jax.train_step import TrainState, init_train_state, make_mesh, make_optimizer, make_train_step
 
 log = logging.getLogger("orsd_jax")
 
@@ -95,9 +95,9 @@ def step_advantages(groups: Sequence[Group], config: TrainConfig) -> list[list[n
     a, penalty = config.advantage, config.advantage.invalid_penalty
     rows = [(g, t, s) for g, group in enumerate(groups) for t, traj in enumerate(group.trajectories) for s in traj.steps]
     group_ids = np.array([g for g, _, _ in rows])
-    traj_ids = np.array([g * 10_000 + t for g, t, _ in rows])
-    step_rewards = np.array([s.reward - penalty * (not s.valid) for _, _, s in rows])
     if config.method == "gigpo":
+        traj_ids = np.array([g * 10_000 + t for g, t, _ in rows])
+        step_rewards = np.array([s.reward - penalty * (not s.valid) for _, _, s in rows])
         flat = gigpo_advantages(
             step_rewards, group_ids, traj_ids, [s.observation for _, _, s in rows], gamma=a.gamma, omega=a.omega,
             normalize_std=a.normalize_std, across_steps=a.across_steps,
@@ -110,7 +110,7 @@ def step_advantages(groups: Sequence[Group], config: TrainConfig) -> list[list[n
         totals = np.concatenate([returns(group, penalty) for group in groups])
         owners = np.concatenate([[g] * len(group.trajectories) for g, group in enumerate(groups)])
         per_traj = grpo_advantages(totals, owners, a.normalize_std)
-        flat = np.concatenate([[per_traj[i]] * len(t.steps) for i, t in enumerate(t for g in groups for t in g.trajectories)])
+        flat = np.repeat(per_traj, [len(t.steps) for group in groups for t in group.trajectories])
     out, i = [], 0
     for group in groups:
         out.append([])
@@ -307,6 +307,36 @@ def _compile_cache() -> pathlib.Path:
     return cache_dir() / "jax_compile"
 
 
+def train_minibatches(
+    train_step, state: TrainState, graphdef, samples: Sequence[StepSample], order: np.ndarray, config: TrainConfig, record: bool
+) -> tuple[TrainState, dict[str, float], float, list]:
+    """Optimizer steps over ``samples`` taken in ``order``, ``config.minibatch_rows`` at a time.
+
+    Returns the new state; the loss metrics of the whole update, computed once from the loss sums
+    of every minibatch (so the gap statistics are exact over the update, not means of means);
+    the response token count; and, when ``record``, per minibatch (rows, token values at the
+    parameters its step used, response mask).
+    """
+    totals: dict[str, float] = {}
+    weighted = {"loss": 0.0, "grad_norm": 0.0}  # per-step values, token-weighted
+    tokens, recorded = 0.0, []
+    for start in progress(range(0, len(samples), config.minibatch_rows), "train"):
+        rows = order[start : start + config.minibatch_rows].tolist()
+        batch = build_batch([samples[r] for r in rows], seq_multiple=128, response_multiple=32, batch_multiple=config.minibatch_rows)
+        if record:
+            recorded.append((rows, token_values(graphdef, state.params, batch, config.loss), batch.response_mask))
+        state, step_metrics = train_step(state, batch, config.micro_batches)
+        step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+        for k, v in step_metrics.items():
+            if k.startswith("sum/"):
+                totals[k[4:]] = totals.get(k[4:], 0.0) + v
+        for k in weighted:
+            weighted[k] += step_metrics[k] * step_metrics["tokens"]
+        tokens += step_metrics["tokens"]
+    metrics = {k: float(v) for k, v in OrsdLoss.metrics(totals, tokens).items()}
+    return state, metrics | {k: v / max(tokens, 1.0) for k, v in weighted.items()}, tokens, recorded
+
+
 def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
     """One update of ``run.state``; returns its metrics and what ``_save_step`` records."""
     c, started = run.config, time.perf_counter()
@@ -336,22 +366,10 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
     samples, index = step_samples(groups, step_advantages(groups, c), rubrics, run.fmt, run.tokenizer)
     order = np.random.default_rng([c.seed, update, 1]).permutation(len(samples))
     t0 = time.perf_counter()
-    sums: dict[str, float] = {}
-    recorded = []
     record = c.credit_every and (update + 1) % c.credit_every == 0 or update + 1 == c.updates
-    for start in progress(range(0, len(samples), c.minibatch_rows), "train"):
-        rows = order[start : start + c.minibatch_rows].tolist()
-        batch = build_batch([samples[r] for r in rows], seq_multiple=128, response_multiple=32, batch_multiple=c.minibatch_rows)
-        if record:  # at the parameters this minibatch's loss uses
-            recorded.append((rows, token_values(run.graphdef, run.state.params, batch, c.loss), batch.response_mask))
-        run.state, step_metrics = run.train_step(run.state, batch, c.micro_batches)
-        step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-        tokens = step_metrics["tokens"]
-        for k, v in step_metrics.items():
-            sums[k] = sums.get(k, 0.0) + (v if k == "tokens" else v * tokens)
-    tokens = max(sums.pop("tokens", 0.0), 1.0)
+    run.state, loss_metrics, tokens, recorded = train_minibatches(run.train_step, run.state, run.graphdef, samples, order, c, record)
     without_rubric = ("gap", "rubric_token_frac")  # meaningless without a rubric stage
-    metrics |= {f"loss/{k}": v / tokens for k, v in sums.items() if c.uses_rubrics or not k.startswith(without_rubric)}
+    metrics |= {f"loss/{k}": v for k, v in loss_metrics.items() if c.uses_rubrics or not k.startswith(without_rubric)}
     metrics["train/tokens"] = tokens
     metrics["train/step_samples"] = float(len(samples))
     metrics["time/train"] = time.perf_counter() - t0

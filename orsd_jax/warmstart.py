@@ -106,7 +106,7 @@ def finetune(
             # Every batch padded to batch_size rows: one compiled shape per prompt-length bucket.
             batch = build_batch(chosen, batch_multiple=math.lcm(rows, config.batch_size))
             state, metrics = step(state, batch, config.micro_batches)
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if not k.startswith("sum/")}
             updates += 1
             log(updates, metrics | {"epoch": epoch, "seconds": time.perf_counter() - started})
     return nnx.merge(graphdef, state.params)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import nbformat
 import numpy as np
 import pytest
+from flax import nnx
 from nbclient import NotebookClient
 from PIL import Image
 from test_loss import make_samples, tiny_model
@@ -20,10 +21,11 @@ from experiments.credit_report import rendered_dom, screenshot, write_report
 from orsd_jax.batch import build_batch
 from orsd_jax.config import preset
 from orsd_jax.credit_html import gap_colour
-from orsd_jax.credit import load_credit, recorded_updates, token_pieces, token_values
+from orsd_jax.credit import load_credit, recorded_updates, run_tokenizer, token_pieces, token_values
 from orsd_jax.loss import LossConfig, OrsdLoss
 from orsd_jax.models import EMBEDDED, resolve
-from orsd_jax.trainer import train
+from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
+from orsd_jax.trainer import train, train_minibatches
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -50,8 +52,6 @@ def test_token_values_are_what_the_loss_uses():
     samples = [dataclasses.replace(s, old_logprobs=values["logp_without"][i, : len(s.response)].tolist())
                for i, s in enumerate(samples)]  # fmt: skip
     batch = build_batch(samples, seq_multiple=16, response_multiple=4)
-    from flax import nnx
-
     loss_sum, count, sums = OrsdLoss(config)(nnx.merge(graphdef, params), batch)
     mask = np.asarray(batch.response_mask)
     np.testing.assert_allclose(float(loss_sum), -np.sum(values["corrected"] * mask), rtol=1e-5, atol=1e-6)
@@ -79,16 +79,34 @@ def test_recorded_credit_matches_the_run(run):
         expected = (outcome - outcome.mean()) / (outcome.std(ddof=1) + 1e-6)
         for s in (s for s in record.steps if s.group == g):
             np.testing.assert_allclose(s.values["advantage"], expected[s.trajectory], rtol=1e-5, atol=1e-6)
-    rubric = [s for s in record.steps if s.criteria is not None]
-    gaps = np.concatenate([s.values["gap"] for s in rubric]) if rubric else np.zeros(0)
-    np.testing.assert_allclose(logged["loss/rubric_token_frac"] * logged["train/tokens"], len(gaps), atol=1e-3)
-    if len(gaps):
-        np.testing.assert_allclose(gaps.mean(), logged["loss/gap_mean"], rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(gaps.std(), logged["loss/gap_std"], rtol=1e-3, atol=1e-5)
+    rubric_tokens = sum(len(s.response_ids) for s in record.steps if s.criteria is not None)
+    np.testing.assert_allclose(logged["loss/rubric_token_frac"] * logged["train/tokens"], rubric_tokens, atol=1e-3)
     for s in record.steps:  # a group without a selected rubric keeps its advantage on every token
         if s.criteria is None:
             np.testing.assert_array_equal(s.values["corrected"], s.values["advantage"])
             assert not s.values["gap"].any()
+
+
+def test_update_metrics_are_exact_over_minibatches(tmp_path):
+    """The trainer's minibatch loop: the logged gap statistics of an update equal those of the
+    recorded per-token values over all its minibatches, whose rubric shares differ."""
+    graphdef, params = tiny_model()
+    config = dataclasses.replace(preset("tiny"), minibatch_rows=2, loss=LossConfig(coef=0.8, clip=0.2, chunk_size=4))
+    optimizer = make_optimizer(config.optimizer)
+    graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, make_mesh(1))
+    step = make_train_step(OrsdLoss(config.loss), optimizer, graphdef, sharding)
+    samples = make_samples((True, True, True, False, False, True))  # minibatches with 2, 1 and 1 rubric rows
+    _, metrics, tokens, recorded = train_minibatches(step, state, graphdef, samples, np.arange(6), config, record=True)
+    assert len(recorded) == 3
+    gaps = np.concatenate([
+        values["gap"][i, : len(samples[r].response)]
+        for rows, values, _ in recorded for i, r in enumerate(rows) if samples[r].insert
+    ])  # fmt: skip
+    assert tokens == sum(len(s.response) for s in samples)
+    np.testing.assert_allclose(metrics["rubric_token_frac"], len(gaps) / tokens, rtol=1e-6)
+    np.testing.assert_allclose(metrics["gap_mean"], gaps.mean(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["gap_std"], gaps.std(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["gap_clip_frac"], np.mean(np.abs(gaps) > 0.2), atol=1e-6)
 
 
 def test_token_pieces_concatenate_to_the_decoded_text(tokenizer):
@@ -98,6 +116,12 @@ def test_token_pieces_concatenate_to_the_decoded_text(tokenizer):
         assert len(pieces) == len(ids) and "".join(pieces) == tokenizer.decode(ids)
     ids = tokenizer.encode("🙂", add_special_tokens=False)
     assert len(ids) > 1 and token_pieces(tokenizer, ids)[-1] == "🙂"  # the character on the token completing it
+
+
+def test_run_tokenizer_without_an_exported_policy(run, tmp_path, tokenizer):
+    """A run killed before its export still names its tokenizer (through its config)."""
+    (tmp_path / "config.json").write_text((run / "config.json").read_text())
+    assert run_tokenizer(tmp_path).get_vocab() == tokenizer.get_vocab()
 
 
 def test_missing_records_are_named(tmp_path, run):
