@@ -60,6 +60,8 @@ class Batch:
     advantage: jax.Array  # float32[B]
     has_rubric: jax.Array  # bool[B]
     ref_logp: jax.Array | None = None  # float32[B, Y]
+    # [B, T, D]: the model's ``frozen_states`` of ``tokens``, computed once (the warm start's epochs).
+    frozen: jax.Array | None = None
 
 
 def _round_up(n: int, multiple: int) -> int:

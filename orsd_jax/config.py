@@ -154,6 +154,7 @@ _CPU_WARMSTART = WarmStartRun(
     difficulty="easy",
     demo_games=24,
     max_detours=2,
+    max_slips=2,
     reasoning=False,
     frozen_layers=22,
     rollout=_EASY_ROLLOUT,

@@ -2,13 +2,15 @@
 
 Episodes run ``pool.n_envs`` at a time through the same rollout code as training (group size 1).
 ALFWorld reports success per task type and overall; WebShop reports score (mean reward x 100)
-and success (reward == 1). Both report the fraction of steps whose answer was valid.
+and success (reward == 1). Both report the fraction of steps whose answer was valid, and write
+every step's observation and answer, to see what the invalid ones were.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import os
 from typing import Sequence
 
@@ -28,6 +30,11 @@ class Episode:
     score: float
     steps: int
     valid_steps: int
+    # (observation, answer, valid) per step: eval_steps.jsonl, not the CSV.
+    transcript: tuple[tuple[str, str, bool], ...] = dataclasses.field(default=(), repr=False)
+
+
+_COLUMNS = ("key", "task_type", "won", "score", "steps", "valid_steps")
 
 
 def sweep(
@@ -54,7 +61,8 @@ def sweep(
 
 
 def _episode(t: Trajectory) -> Episode:
-    return Episode(t.task.key, t.task.task_type, t.won, t.score, len(t.steps), sum(s.valid for s in t.steps))
+    transcript = tuple((s.observation, s.response_text, s.valid) for s in t.steps)
+    return Episode(t.task.key, t.task.task_type, t.won, t.score, len(t.steps), sum(s.valid for s in t.steps), transcript)
 
 
 def summary(env: str, episodes: Sequence[Episode]) -> dict[str, float]:
@@ -80,11 +88,17 @@ def markdown(env: str, episodes: Sequence[Episode], title: str) -> str:
 
 
 def write(env: str, episodes: Sequence[Episode], out_dir: str | os.PathLike, title: str) -> None:
-    """``eval.md`` (the table) and ``eval.csv`` (one row per episode) in ``out_dir``."""
+    """``eval.md`` (the table), ``eval.csv`` (one row per episode) and ``eval_steps.jsonl`` (one row
+    per step: observation, answer, valid) in ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "eval.md"), "w") as f:
         f.write(markdown(env, episodes, title) + "\n")
     with open(os.path.join(out_dir, "eval.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[field.name for field in dataclasses.fields(Episode)])
+        writer = csv.DictWriter(f, fieldnames=_COLUMNS)
         writer.writeheader()
-        writer.writerows(dataclasses.asdict(e) for e in episodes)
+        writer.writerows({k: getattr(e, k) for k in _COLUMNS} for e in episodes)
+    with open(os.path.join(out_dir, "eval_steps.jsonl"), "w") as f:
+        for e in episodes:
+            for step, (observation, answer, valid) in enumerate(e.transcript):
+                row = {"key": e.key, "step": step, "observation": observation, "answer": answer, "valid": valid}
+                f.write(json.dumps(row) + "\n")

@@ -57,7 +57,7 @@ def response_logprobs(
     and ``None`` when ``with_rubric`` is off (its LM head is then skipped).
     """
     mask = tree_attention_mask(batch.branch)
-    hidden, _ = model.hidden_states(batch.tokens, batch.positions, mask=mask)
+    hidden, _ = model.hidden_states(batch.tokens, batch.positions, mask=mask, frozen=batch.frozen)
 
     def logprobs(index, with_entropy):  # the LM head only at the [B, Y] predicting positions
         h = jnp.take_along_axis(hidden, index[..., None], axis=1)

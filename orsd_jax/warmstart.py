@@ -22,10 +22,11 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from orsd_jax import chat
-from orsd_jax.batch import Batch, StepSample, build_batch
+from orsd_jax.batch import Batch, StepSample, build_batch, tree_attention_mask
 from orsd_jax.demos import Demonstration, alfworld_walkthrough, rubric_demo, walkthrough_demos, write_jsonl
 from orsd_jax.loss import response_logprobs
 from orsd_jax.models import CausalLM, cache_dir, load_model, save_hf
@@ -83,33 +84,73 @@ def finetune(
     fmt: chat.ChatFormat,
     log: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
 ) -> CausalLM:
-    """The model after ``config.epochs`` passes over ``demos`` in shuffled mini-batches."""
+    """The model after ``config.epochs`` passes over ``demos`` in shuffled mini-batches of similar
+    lengths. With frozen layers their output is computed once, before the first epoch, and every
+    update runs the trainable layers only."""
     samples = [demo_sample(d, fmt) for d in demos]
     mesh = make_mesh()
     optimizer = make_optimizer(config.optimizer, frozen_layers=model.config.frozen_layers)
     graphdef, state, sharding = init_train_state(model, optimizer, mesh)
     step = make_train_step(SupervisedLoss(), optimizer, graphdef, sharding)
-    rows = mesh.size * config.micro_batches
+    # Every batch padded to batch_size rows: one compiled shape per prompt-length bucket.
+    multiple = math.lcm(mesh.size * config.micro_batches, config.batch_size)
+    lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
+    frozen = None
+    if model.config.frozen_layers:
+        frozen = frozen_states(graphdef, state.params, samples, lengths, config.batch_size, multiple)
     rng = random.Random(config.seed)
     updates = 0
     for epoch in range(config.epochs):
-        # Rubric demonstrations (step -1) have prompts twice as long: batched apart, they pad no action rows.
-        batches = []
-        for kind in (False, True):
-            order = [i for i, d in enumerate(demos) if (d.step < 0) == kind]
-            rng.shuffle(order)
-            batches += [order[s : s + config.batch_size] for s in range(0, len(order), config.batch_size)]
-        rng.shuffle(batches)
-        for indices in batches:
-            chosen = [samples[i] for i in indices]
+        for indices in length_batches(lengths, config.batch_size, rng):
             started = time.perf_counter()
-            # Every batch padded to batch_size rows: one compiled shape per prompt-length bucket.
-            batch = build_batch(chosen, batch_multiple=math.lcm(rows, config.batch_size))
+            batch = build_batch([samples[i] for i in indices], batch_multiple=multiple)
+            if frozen is not None:
+                batch = batch.replace(frozen=_pad_rows([frozen[i] for i in indices], batch.tokens.shape))
             state, metrics = step(state, batch, config.micro_batches)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if not k.startswith("sum/")}
             updates += 1
             log(updates, metrics | {"epoch": epoch, "seconds": time.perf_counter() - started})
     return nnx.merge(graphdef, state.params)
+
+
+def length_batches(lengths: Sequence[int], batch_size: int, rng: random.Random, jitter: int = 64) -> list[list[int]]:
+    """Indices in batches of similar lengths (little padding), in random order: sorted by length
+    plus a random jitter of up to ``jitter`` tokens, so batches differ from epoch to epoch."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i] + rng.uniform(0, jitter))
+    batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def frozen_states(graphdef, params, samples: Sequence[StepSample], lengths: Sequence[int], batch_size: int,
+                  multiple: int) -> list[np.ndarray]:  # fmt: skip
+    """Each sample's ``CausalLM.frozen_states`` over its packed row, ``float[lengths[i], D]``.
+
+    Frozen weights give the same states in every epoch; computing them once leaves each update the
+    trainable layers only (memory: one ``D``-vector per demonstration token).
+    """
+
+    @jax.jit
+    def run(params, batch: Batch) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        return model.frozen_states(batch.tokens, batch.positions, mask=tree_attention_mask(batch.branch))
+
+    out: list[np.ndarray] = [np.empty(0)] * len(samples)
+    order = sorted(range(len(samples)), key=lambda i: lengths[i])
+    for s in range(0, len(order), batch_size):
+        chunk = order[s : s + batch_size]
+        states = np.asarray(run(params, build_batch([samples[i] for i in chunk], batch_multiple=multiple)))
+        for row, i in enumerate(chunk):
+            out[i] = states[row, : lengths[i]]
+    return out
+
+
+def _pad_rows(rows: Sequence[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
+    """``[B, T, D]`` from per-row ``[T_i, D]`` states, zeros elsewhere (padding: masked out of every loss)."""
+    out = np.zeros((*shape, rows[0].shape[-1]), rows[0].dtype)
+    for row, states in enumerate(rows):
+        out[row, : len(states)] = states
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +164,7 @@ class WarmStartRun:
     eval_games: int = 50  # generated valid_seen / valid_unseen sizes
     demo_games: int = 120
     max_detours: int = 2
+    max_slips: int = 0
     reasoning: bool = False
     frozen_layers: int = 0
     rollout: RolloutConfig = RolloutConfig()
@@ -149,7 +191,7 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
     env = AlfworldEnv(max_steps=run.rollout.max_steps)
     demos = walkthrough_demos(
         env, tasks, alfworld_walkthrough, run.rollout, build_prompt, tokenizer=tokenizer, fmt=fmt,
-        reasoning=run.reasoning, max_detours=run.max_detours, seed=run.games_seed,
+        reasoning=run.reasoning, max_detours=run.max_detours, max_slips=run.max_slips, seed=run.games_seed,
     )
     if run.rubric is not None:
         rng = random.Random(f"{run.games_seed}/rubrics")

@@ -1,6 +1,7 @@
 """Warm start: demonstrations see exactly the RL prompts, the loss counts answer tokens only, and
 rubric-writing demonstrations use the rubric writer's own prompt."""
 
+import dataclasses
 import functools
 import random
 
@@ -20,7 +21,7 @@ from orsd_jax.models import EMBEDDED, CausalLM, ModelConfig, resolve
 from orsd_jax.rollout import RolloutConfig, collect_groups
 from orsd_jax.rubrics import RubricConfig, parse_bundle
 from orsd_jax.sampling.jax_sampler import JaxSampler
-from orsd_jax.warmstart import SupervisedLoss, demo_sample
+from orsd_jax.warmstart import SupervisedLoss, _pad_rows, demo_sample, frozen_states, length_batches
 
 ROLLOUT = RolloutConfig(max_steps=4, max_prompt_tokens=1024, max_response_tokens=24, history_length=2)
 
@@ -58,6 +59,33 @@ def test_demonstration_prompts_are_the_rollout_prompts(setup):
         plan = alfworld_walkthrough(tasks[1])
         records = record_episode(env, tasks[1], plan[: len(demos)], ROLLOUT, build_prompt, tokenizer=tokenizer, fmt=fmt)
         assert [d.prompt_ids for d in demos] == [tuple(r[1]) for r in records]
+    finally:
+        env.close()
+
+
+def test_slips_are_played_but_never_targets(setup):
+    """A slip (a command played twice) is replayed in the engine and shown in the next prompts'
+    history; the targets are the plan alone, in order."""
+    tokenizer, fmt, _, tasks = setup
+    rollout = RolloutConfig(max_steps=20, max_prompt_tokens=1024, history_length=2)
+    env = AlfworldEnv(max_steps=rollout.max_steps)
+    try:
+        task, plan = tasks[2], alfworld_walkthrough(tasks[2])
+        for seed in range(20):  # a seed whose demonstration slips
+            demos = walkthrough_demos(env, [task], alfworld_walkthrough, rollout, build_prompt, tokenizer=tokenizer,
+                                      fmt=fmt, reasoning=False, max_slips=2, seed=seed)  # fmt: skip
+            slips = sorted(set(range(demos[-1].step)) - {d.step for d in demos})
+            if slips:
+                break
+        else:
+            pytest.fail("no seed slipped")
+        actions = {d.step: d.answer.removeprefix("<think></think><action>").removesuffix("</action>") for d in demos}
+        assert [actions[k] for k in sorted(actions)] == list(plan)
+        played = [actions.get(k) or actions[k - 1] for k in range(demos[-1].step + 1)]  # a slip repeats
+        records = record_episode(env, task, played, rollout, build_prompt, tokenizer=tokenizer, fmt=fmt)
+        assert [d.prompt_ids for d in demos] == [tuple(records[d.step][1]) for d in demos]
+        assert all(records[k + 1][3] == "Nothing happens." for k in slips)  # the engine's answer to a slip
+        assert all(f"Action {k + 1}: '{played[k]}'" in records[k + 1][0] for k in slips)  # in the history
     finally:
         env.close()
 
@@ -124,3 +152,44 @@ def test_supervised_loss_counts_answer_tokens_only(setup):
     for a, b in zip(jax.tree.leaves(jax.grad(supervised)(params)), jax.tree.leaves(jax.grad(answer_only)(params))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
+
+
+def test_frozen_states_computed_once_give_the_same_loss_and_gradients(setup):
+    """The warm start's cached frozen-layer states (per sample, padded back into a batch) give the
+    loss and gradients of the full forward."""
+    tokenizer, fmt, model, _ = setup
+    from orsd_jax.demos import Demonstration
+
+    config = dataclasses.replace(model.config, frozen_layers=1)
+    frozen_model = CausalLM(config, nnx.Rngs(1))
+    samples = []
+    for k, text in enumerate(["You are in a room.", "You see a drawer 1 and a desk 1. Your task is to: look at a book."]):
+        prompt = chat.prompt_ids(fmt, tokenizer, text)
+        answer = chat.encode(tokenizer, f"<think></think><action>go to desk {k}</action>") + [fmt.stop_token_ids[0]]
+        samples.append(demo_sample(Demonstration("g", k, "", tuple(prompt), "", tuple(answer)), fmt))
+    lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
+    graphdef, params = nnx.split(frozen_model)
+    states = frozen_states(graphdef, params, samples, lengths, batch_size=1, multiple=1)  # one row at a time
+    assert [s.shape for s in states] == [(n, config.hidden_size) for n in lengths]
+    batch = build_batch(samples[::-1], batch_multiple=3)  # other order, padding rows
+    cached = batch.replace(frozen=_pad_rows(states[::-1], batch.tokens.shape))
+
+    def loss(p, b):
+        return SupervisedLoss(chunk_size=4)(nnx.merge(graphdef, p), b)[0]
+
+    np.testing.assert_allclose(float(loss(params, cached)), float(loss(params, batch)), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.grad(loss)(params, cached)), jax.tree.leaves(jax.grad(loss)(params, batch))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    layer_grads = jax.grad(loss)(params, cached)["layers"]
+    assert all(float(jnp.abs(g[0]).max()) == 0 for g in jax.tree.leaves(layer_grads))  # the frozen layer
+
+
+def test_length_batches_cover_every_index_once():
+    rng = random.Random(0)
+    lengths = [rng.randint(100, 900) for _ in range(53)]
+    first, second = length_batches(lengths, 8, rng), length_batches(lengths, 8, rng)
+    for batches in (first, second):
+        assert sorted(i for b in batches for i in b) == list(range(53))
+        assert sorted(len(b) for b in batches)[1:] == [8] * 6
+        assert max(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) < 400
+    assert first != second  # the jitter reshuffles batches between epochs

@@ -289,12 +289,47 @@ class CausalLM(nnx.Module):
         *,
         mask: jax.Array | None = None,
         cache: KVCache | None = None,
+        frozen: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final-normed hidden states ``[B, T, D]`` (and the updated cache when one is given).
 
         ``mask bool[B, T, S]`` overrides the default (causal within ``segment_ids``; with a cache:
-        every slot at or before the query's position).
+        every slot at or before the query's position). ``frozen [B, T, D]``: ``frozen_states`` of
+        the same inputs, computed earlier (frozen weights give the same states every epoch), so
+        only the trainable layers run.
         """
+        positions, mask = self._positions_and_mask(input_ids, positions, segment_ids, mask, cache)
+        k = self.config.frozen_layers
+        if cache is not None:
+            x, new_cache = self._layers(self._embed(input_ids), positions, mask, slice(None), tuple(cache))
+            return self.final_norm(x), KVCache(*new_cache)
+        if frozen is None:
+            frozen = self.frozen_states(input_ids, positions, mask=mask)
+        x, _ = self._layers(frozen.astype(jnp.dtype(self.config.compute_dtype)), positions, mask, slice(k, None))
+        return self.final_norm(x), None
+
+    def frozen_states(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        mask: jax.Array | None = None,
+    ) -> jax.Array:
+        """``[B, T, D]``: the residual stream after the embedding and the first ``frozen_layers``
+        layers. With frozen layers the embedding is frozen too and the result is under
+        stop-gradient, so the backward pass skips them entirely."""
+        x = self._embed(input_ids)
+        k = self.config.frozen_layers
+        if not k:
+            return x
+        positions, mask = self._positions_and_mask(input_ids, positions, segment_ids, mask)
+        return jax.lax.stop_gradient(self._layers(jax.lax.stop_gradient(x), positions, mask, slice(0, k))[0])
+
+    def _embed(self, input_ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], input_ids, axis=0).astype(jnp.dtype(self.config.compute_dtype))
+
+    def _positions_and_mask(self, input_ids, positions, segment_ids, mask, cache=None):
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -303,9 +338,12 @@ class CausalLM(nnx.Module):
                 mask = jnp.arange(cache.k.shape[2])[None, None, :] <= positions[:, :, None]
             else:
                 mask = segment_mask(jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids)
-        dt = jnp.dtype(self.config.compute_dtype)
-        x = jnp.take(self.embed[...], input_ids, axis=0).astype(dt)
+        return positions, mask
+
+    def _layers(self, x, positions, mask, layers: slice, cache=None):
+        """Runs the stacked layers ``layers`` over ``x [B, T, D]`` with a scan (and their cache slices)."""
         graphdef, layer_state = nnx.split(self.layers)
+        layer_state = jax.tree.map(lambda a: a[layers], layer_state)
 
         def body(h, layer_in):
             state, layer_cache = layer_in
@@ -314,17 +352,7 @@ class CausalLM(nnx.Module):
 
         if self.config.remat:
             body = jax.checkpoint(body)
-        if cache is not None:
-            x, new_cache = jax.lax.scan(body, x, (layer_state, tuple(cache)))
-            return self.final_norm(x), KVCache(*new_cache)
-        k = self.config.frozen_layers
-        if k:
-            # No gradient reaches the first k layers, so the backward pass skips them entirely.
-            frozen = jax.tree.map(lambda a: a[:k], layer_state)
-            x = jax.lax.stop_gradient(jax.lax.scan(body, jax.lax.stop_gradient(x), (frozen, None))[0])
-            layer_state = jax.tree.map(lambda a: a[k:], layer_state)
-        x, _ = jax.lax.scan(body, x, (layer_state, None))
-        return self.final_norm(x), None
+        return jax.lax.scan(body, x, (layer_state, cache))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """``[..., D] -> float32[..., V]``."""
