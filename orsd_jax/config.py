@@ -159,6 +159,7 @@ _CPU_WARMSTART = WarmStartRun(
     frozen_layers=22,
     rollout=_EASY_ROLLOUT,
     rubric=_CPU_RUBRIC,
+    rubric_games=16,
     train=WarmStartConfig(epochs=2, batch_size=16, optimizer=OptimizerConfig(learning_rate=2e-4, weight_decay=0.0)),
 )
 

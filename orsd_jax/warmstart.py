@@ -84,9 +84,9 @@ def finetune(
     fmt: chat.ChatFormat,
     log: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
 ) -> CausalLM:
-    """The model after ``config.epochs`` passes over ``demos`` in shuffled mini-batches of similar
-    lengths. With frozen layers their output is computed once, before the first epoch, and every
-    update runs the trainable layers only."""
+    """The model after ``config.epochs`` passes over ``demos`` in shuffled mini-batches. With frozen
+    layers their output is computed once, before the first epoch, and every update runs the
+    trainable layers only."""
     samples = [demo_sample(d, fmt) for d in demos]
     mesh = make_mesh()
     optimizer = make_optimizer(config.optimizer, frozen_layers=model.config.frozen_layers)
@@ -101,7 +101,7 @@ def finetune(
     rng = random.Random(config.seed)
     updates = 0
     for epoch in range(config.epochs):
-        for indices in length_batches(lengths, config.batch_size, rng):
+        for indices in kind_batches([d.step < 0 for d in demos], config.batch_size, rng):
             started = time.perf_counter()
             batch = build_batch([samples[i] for i in indices], batch_multiple=multiple)
             if frozen is not None:
@@ -113,11 +113,15 @@ def finetune(
     return nnx.merge(graphdef, state.params)
 
 
-def length_batches(lengths: Sequence[int], batch_size: int, rng: random.Random, jitter: int = 64) -> list[list[int]]:
-    """Indices in batches of similar lengths (little padding), in random order: sorted by length
-    plus a random jitter of up to ``jitter`` tokens, so batches differ from epoch to epoch."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i] + rng.uniform(0, jitter))
-    batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+def kind_batches(kinds: Sequence[bool], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Indices in shuffled batches, each of one kind (rubric demonstrations have prompts twice as
+    long: batched apart, they pad no action rows), in random order. Not sorted by length: that
+    would batch the first steps of every episode together, the late steps together."""
+    batches = []
+    for kind in sorted(set(kinds)):
+        order = [i for i, k in enumerate(kinds) if k == kind]
+        rng.shuffle(order)
+        batches += [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
     rng.shuffle(batches)
     return batches
 
@@ -169,6 +173,7 @@ class WarmStartRun:
     frozen_layers: int = 0
     rollout: RolloutConfig = RolloutConfig()
     rubric: RubricConfig | None = None  # also one rubric-writing demonstration per demo game
+    rubric_games: int | None = None  # ... for the first this many demo games only (None: all)
     train: WarmStartConfig = WarmStartConfig()
 
     def key(self) -> str:
@@ -195,7 +200,7 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
     )
     if run.rubric is not None:
         rng = random.Random(f"{run.games_seed}/rubrics")
-        for task in tasks:
+        for task in tasks[: run.rubric_games]:
             demos.append(rubric_demo(env, task, alfworld_walkthrough(task), run.rollout, run.rubric, build_prompt,
                                      tokenizer=tokenizer, fmt=fmt, rng=rng))  # fmt: skip
     env.close()

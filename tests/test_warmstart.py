@@ -21,7 +21,7 @@ from orsd_jax.models import EMBEDDED, CausalLM, ModelConfig, resolve
 from orsd_jax.rollout import RolloutConfig, collect_groups
 from orsd_jax.rubrics import RubricConfig, parse_bundle
 from orsd_jax.sampling.jax_sampler import JaxSampler
-from orsd_jax.warmstart import SupervisedLoss, _pad_rows, demo_sample, frozen_states, length_batches
+from orsd_jax.warmstart import SupervisedLoss, _pad_rows, demo_sample, frozen_states, kind_batches
 
 ROLLOUT = RolloutConfig(max_steps=4, max_prompt_tokens=1024, max_response_tokens=24, history_length=2)
 
@@ -184,12 +184,12 @@ def test_frozen_states_computed_once_give_the_same_loss_and_gradients(setup):
     assert all(float(jnp.abs(g[0]).max()) == 0 for g in jax.tree.leaves(layer_grads))  # the frozen layer
 
 
-def test_length_batches_cover_every_index_once():
+def test_kind_batches_cover_every_index_once_and_never_mix_kinds():
     rng = random.Random(0)
-    lengths = [rng.randint(100, 900) for _ in range(53)]
-    first, second = length_batches(lengths, 8, rng), length_batches(lengths, 8, rng)
+    kinds = [rng.random() < 0.2 for _ in range(53)]
+    first, second = kind_batches(kinds, 8, rng), kind_batches(kinds, 8, rng)
     for batches in (first, second):
         assert sorted(i for b in batches for i in b) == list(range(53))
-        assert sorted(len(b) for b in batches)[1:] == [8] * 6
-        assert max(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) < 400
-    assert first != second  # the jitter reshuffles batches between epochs
+        assert all(len({kinds[i] for i in b}) == 1 and len(b) <= 8 for b in batches)
+        assert sum(len(b) < 8 for b in batches) <= 2  # one short batch per kind at most
+    assert first != second
