@@ -154,12 +154,10 @@ _CPU_WARMSTART = WarmStartRun(
     difficulty="easy",
     demo_games=24,
     max_detours=2,
-    max_slips=2,
     reasoning=False,
     frozen_layers=22,
     rollout=_EASY_ROLLOUT,
     rubric=_CPU_RUBRIC,
-    rubric_games=16,
     train=WarmStartConfig(epochs=2, batch_size=16, optimizer=OptimizerConfig(learning_rate=2e-4, weight_decay=0.0)),
 )
 

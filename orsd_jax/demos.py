@@ -8,10 +8,7 @@ and the command, then the command, ``<think>...</think><action>...</action>``. W
 
 The planner knows where every object is; the agent does not (ALFWorld shows an object only once
 the agent is at its receptacle). Demonstrations can therefore start with a few detours to other
-receptacles before the plan, so the policy also sees what to do after a fruitless visit. They can
-also hold slips: a command played twice in a row, the small policy's commonest mistake (the
-second time it is not admissible and changes nothing). The slip is played in the engine and shown
-in the history of the next prompts but is never a target: the policy sees how to go on after one.
+receptacles before the plan, so the policy also sees what to do after a fruitless visit.
 """
 
 from __future__ import annotations
@@ -101,27 +98,20 @@ def walkthrough_demos(
     fmt: chat.ChatFormat,
     reasoning: bool = True,
     max_detours: int = 0,
-    max_slips: int = 0,
     seed: int = 0,
 ) -> list[Demonstration]:
     """Demonstrations of every task's expert plan (``walkthrough(task) -> commands``), each after
-    0..``max_detours`` random detours and with 0..``max_slips`` repeated commands (not targets)."""
+    0..``max_detours`` random detours."""
     demos = []
     end = [fmt.stop_token_ids[0]]
     for task in tasks:
         rng = random.Random(f"{seed}/{task.key}")
         plan = walkthrough(task)
-        slips: set[int] = set()
-
-        def commands(first: EnvStep) -> list[str]:
-            played, repeats = with_slips(with_detours(plan, first, rng, max_detours), rng, max_slips)
-            slips.update(repeats)
-            return played
-
-        records = record_episode(env, task, commands, config, build_prompt, tokenizer=tokenizer, fmt=fmt)
+        records = record_episode(
+            env, task, lambda first: with_detours(plan, first, rng, max_detours), config, build_prompt,
+            tokenizer=tokenizer, fmt=fmt,
+        )
         for step, (text, ids, command, _) in enumerate(records):
-            if step in slips:
-                continue
             answer = demo_answer(task.description, command, reasoning)
             demos.append(Demonstration(task.key, step, text, tuple(ids), answer, tuple(chat.encode(tokenizer, answer) + end)))
     return demos
@@ -205,20 +195,6 @@ def with_detours(plan: Sequence[str], first: EnvStep, rng: random.Random, max_de
         return list(plan)
     places = [a for a in first.admissible_actions if a.startswith("go to ") and a != plan[0]]
     return rng.sample(places, min(len(places), rng.randint(0, max_detours))) + list(plan)
-
-
-def with_slips(commands: Sequence[str], rng: random.Random, max_slips: int) -> tuple[list[str], set[int]]:
-    """``commands`` with 0..``max_slips`` of them (never the last) played twice in a row, and the
-    indices of the repeats in the returned list."""
-    n = max(len(commands) - 1, 0)
-    picks = set(rng.sample(range(n), rng.randint(0, min(max_slips, n))))
-    played, repeats = [], set()
-    for i, command in enumerate(commands):
-        played.append(command)
-        if i in picks:
-            repeats.add(len(played))
-            played.append(command)
-    return played, repeats
 
 
 def write_jsonl(demos: Sequence[Demonstration], path: str | os.PathLike) -> None:

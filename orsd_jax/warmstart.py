@@ -168,12 +168,10 @@ class WarmStartRun:
     eval_games: int = 50  # generated valid_seen / valid_unseen sizes
     demo_games: int = 120
     max_detours: int = 2
-    max_slips: int = 0
     reasoning: bool = False
     frozen_layers: int = 0
     rollout: RolloutConfig = RolloutConfig()
     rubric: RubricConfig | None = None  # also one rubric-writing demonstration per demo game
-    rubric_games: int | None = None  # ... for the first this many demo games only (None: all)
     train: WarmStartConfig = WarmStartConfig()
 
     def key(self) -> str:
@@ -196,11 +194,11 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
     env = AlfworldEnv(max_steps=run.rollout.max_steps)
     demos = walkthrough_demos(
         env, tasks, alfworld_walkthrough, run.rollout, build_prompt, tokenizer=tokenizer, fmt=fmt,
-        reasoning=run.reasoning, max_detours=run.max_detours, max_slips=run.max_slips, seed=run.games_seed,
+        reasoning=run.reasoning, max_detours=run.max_detours, seed=run.games_seed,
     )
     if run.rubric is not None:
         rng = random.Random(f"{run.games_seed}/rubrics")
-        for task in tasks[: run.rubric_games]:
+        for task in tasks:
             demos.append(rubric_demo(env, task, alfworld_walkthrough(task), run.rollout, run.rubric, build_prompt,
                                      tokenizer=tokenizer, fmt=fmt, rng=rng))  # fmt: skip
     env.close()

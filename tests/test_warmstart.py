@@ -63,33 +63,6 @@ def test_demonstration_prompts_are_the_rollout_prompts(setup):
         env.close()
 
 
-def test_slips_are_played_but_never_targets(setup):
-    """A slip (a command played twice) is replayed in the engine and shown in the next prompts'
-    history; the targets are the plan alone, in order."""
-    tokenizer, fmt, _, tasks = setup
-    rollout = RolloutConfig(max_steps=20, max_prompt_tokens=1024, history_length=2)
-    env = AlfworldEnv(max_steps=rollout.max_steps)
-    try:
-        task, plan = tasks[2], alfworld_walkthrough(tasks[2])
-        for seed in range(20):  # a seed whose demonstration slips
-            demos = walkthrough_demos(env, [task], alfworld_walkthrough, rollout, build_prompt, tokenizer=tokenizer,
-                                      fmt=fmt, reasoning=False, max_slips=2, seed=seed)  # fmt: skip
-            slips = sorted(set(range(demos[-1].step)) - {d.step for d in demos})
-            if slips:
-                break
-        else:
-            pytest.fail("no seed slipped")
-        actions = {d.step: d.answer.removeprefix("<think></think><action>").removesuffix("</action>") for d in demos}
-        assert [actions[k] for k in sorted(actions)] == list(plan)
-        played = [actions.get(k) or actions[k - 1] for k in range(demos[-1].step + 1)]  # a slip repeats
-        records = record_episode(env, task, played, rollout, build_prompt, tokenizer=tokenizer, fmt=fmt)
-        assert [d.prompt_ids for d in demos] == [tuple(records[d.step][1]) for d in demos]
-        assert all(records[k + 1][3] == "Nothing happens." for k in slips)  # the engine's answer to a slip
-        assert all(f"Action {k + 1}: '{played[k]}'" in records[k + 1][0] for k in slips)  # in the history
-    finally:
-        env.close()
-
-
 def test_rubric_demonstration_uses_the_writers_prompt(setup):
     tokenizer, fmt, _, tasks = setup
     rubric = RubricConfig(trajectory_budget_tokens=160, max_new_tokens=160)
