@@ -6,7 +6,8 @@
 
 The split, the games and the rollout settings (step limit, prompt budget) come from ``--preset``;
 one deterministic sweep (seeded sampling at ``--temperature``) over the first ``--games`` tasks.
-Writes OUT/eval.md and OUT/eval.csv (per episode) and prints the table.
+Writes OUT/eval.md, OUT/eval.csv (per episode) and OUT/eval_steps.jsonl (every step's
+observation, answer and validity) and prints the table.
 """
 
 from __future__ import annotations

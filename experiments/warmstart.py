@@ -4,7 +4,7 @@
 
 Writes OUT/policy (a Hugging Face directory the RL presets take as their initial policy),
 OUT/demos.jsonl (every demonstration: the exact RL prompt and the target answer),
-OUT/warmstart.json (settings, timings, loss curve) and OUT/eval.md / eval.csv.
+OUT/warmstart.json (settings, timings, loss curve) and OUT/eval.md / eval.csv / eval_steps.jsonl.
 """
 
 from __future__ import annotations

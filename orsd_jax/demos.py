@@ -104,8 +104,8 @@ def walkthrough_demos(
     0..``max_detours`` random detours."""
     demos = []
     end = [fmt.stop_token_ids[0]]
-    for task in tasks:
-        rng = random.Random(f"{seed}/{task.key}")
+    for index, task in enumerate(tasks):
+        rng = random.Random(f"{seed}/{index}")  # not the key: a game's key is its path on this machine
         plan = walkthrough(task)
         records = record_episode(
             env, task, lambda first: with_detours(plan, first, rng, max_detours), config, build_prompt,

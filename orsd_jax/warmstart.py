@@ -157,6 +157,10 @@ def _pad_rows(rows: Sequence[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
     return out
 
 
+# Part of the cache key: bump it when the same settings would give other demonstrations.
+DEMO_VERSION = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class WarmStartRun:
     """Everything that decides a warm start's output (its hash names the cache entry)."""
@@ -175,7 +179,7 @@ class WarmStartRun:
     train: WarmStartConfig = WarmStartConfig()
 
     def key(self) -> str:
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        text = json.dumps({"version": DEMO_VERSION, **dataclasses.asdict(self)}, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

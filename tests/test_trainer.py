@@ -57,6 +57,24 @@ def test_orsd_logs_the_rubric_stage_and_gap(reference):
     assert len(step["rubrics"][0]["candidates"]) == 2
 
 
+def test_evaluation_tables_agree_with_the_step_transcript(reference):
+    """eval.csv's per-episode counts, eval.md's valid rate and the final metrics are recomputed
+    from eval_steps.jsonl, one row per played step."""
+    import csv
+
+    folder = reference / "eval" / "00004"
+    episodes = list(csv.DictReader((folder / "eval.csv").open()))
+    steps = [json.loads(line) for line in (folder / "eval_steps.jsonl").read_text().splitlines()]
+    assert len(episodes) == preset("tiny").eval_games and steps
+    for e in episodes:
+        mine = [s for s in steps if s["key"] == e["key"]]
+        assert [s["step"] for s in mine] == list(range(int(e["steps"])))
+        assert sum(s["valid"] for s in mine) == int(e["valid_steps"])
+    rate = sum(s["valid"] for s in steps) / len(steps)
+    assert f"Valid answers: {100 * rate:.1f}% of {len(steps)} steps." in (folder / "eval.md").read_text()
+    assert _metrics(reference)[-1]["eval/valid_step_rate"] == pytest.approx(rate)
+
+
 @pytest.mark.parametrize("method", ["grpo", "gigpo", "orsd-single", "orsd-random"])
 def test_each_method_runs_two_updates(method, tmp_path):
     train(dataclasses.replace(preset("tiny"), method=method), tmp_path)

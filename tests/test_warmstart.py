@@ -3,7 +3,9 @@ rubric-writing demonstrations use the rubric writer's own prompt."""
 
 import dataclasses
 import functools
+import pathlib
 import random
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +63,22 @@ def test_demonstration_prompts_are_the_rollout_prompts(setup):
         assert [d.prompt_ids for d in demos] == [tuple(r[1]) for r in records]
     finally:
         env.close()
+
+
+def test_demonstrations_do_not_depend_on_where_the_games_are(setup, tmp_path):
+    """The same games under another directory (another cache) give the same detours and prompts."""
+    tokenizer, fmt, _, tasks = setup
+    root = pathlib.Path(default_games("easy", 0, 200, 50))
+    shutil.copytree(root, tmp_path / "copy")
+    moved = load_split(tmp_path / "copy", "train")[:3]
+    assert [t.key for t in moved] != [t.key for t in tasks[:3]]
+    env = AlfworldEnv(max_steps=ROLLOUT.max_steps)
+    try:
+        a, b = (walkthrough_demos(env, ts, alfworld_walkthrough, ROLLOUT, build_prompt, tokenizer=tokenizer, fmt=fmt,
+                                  max_detours=2) for ts in (tasks[:3], moved))  # fmt: skip
+    finally:
+        env.close()
+    assert [(d.step, d.prompt_ids, d.answer) for d in a] == [(d.step, d.prompt_ids, d.answer) for d in b]
 
 
 def test_rubric_demonstration_uses_the_writers_prompt(setup):
