@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import pathlib
 import sys
 
 from orsd_jax.config import METHODS, PRESETS, TrainConfig, VerifierSetup, preset
+from orsd_jax.metrics_log import console_logging
 from orsd_jax.rubrics.verify import DASHSCOPE, VerifierConfig
 
 
@@ -108,9 +108,7 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
 
 def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     args = parser(env, doc).parse_args(argv)  # before any game loads: the planner overwrites sys.argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    for chatty in ("absl", "httpx"):  # Orbax's per-file and the verifier's per-request lines
-        logging.getLogger(chatty).setLevel(logging.WARNING)
+    console_logging()
     config = config_from_args(env, args)
     if args.dry_run:
         report, fits = plan(config)

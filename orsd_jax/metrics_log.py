@@ -4,6 +4,7 @@ progress bars for the stages of an update."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import pathlib
@@ -13,6 +14,13 @@ from typing import Iterable, TypeVar
 from tqdm import tqdm
 
 T = TypeVar("T")
+
+
+def console_logging() -> None:
+    """INFO lines with the clock time; the chatty libraries (Orbax per file, HTTP per request) quieted."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for chatty in ("absl", "httpx"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 class MetricsLog:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
+import multiprocessing
 import os
 import pathlib
 import random
@@ -29,6 +31,7 @@ from orsd_jax import chat
 from orsd_jax.batch import Batch, StepSample, build_batch, tree_attention_mask
 from orsd_jax.demos import Demonstration, alfworld_walkthrough, rubric_demo, walkthrough_demos, write_jsonl
 from orsd_jax.loss import response_logprobs
+from orsd_jax.metrics_log import console_logging
 from orsd_jax.models import CausalLM, cache_dir, load_model, save_hf
 from orsd_jax.rollout import RolloutConfig
 from orsd_jax.rubrics.generate import RubricConfig
@@ -232,17 +235,32 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
 
 
 def cached_warmstart(run: WarmStartRun, log: Callable[[str], None] = print) -> pathlib.Path:
-    """``run``'s policy directory, computed once into the cache (``$ORSD_JAX_CACHE/warmstart/<hash>``)."""
+    """``run``'s policy directory, computed once into the cache (``$ORSD_JAX_CACHE/warmstart/<hash>``).
+
+    The computation runs in a child process: its train state, cached states and compiled steps
+    (about 10 GB for the embedded model) are gone before the caller starts its own model and
+    servers; in one process the cpu-demo ran out of memory on a 24 GiB machine.
+    """
     target = cache_dir() / "warmstart" / run.key()
     if (target / "policy" / "config.json").is_file():
         return target / "policy"
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{run.key()}.", dir=target.parent))
     try:
-        run_warmstart(run, scratch, log)
+        log(f"warm start {run.key()}: computed once, in a child process, then cached")
+        child = multiprocessing.get_context("spawn").Process(target=_logged_warmstart, args=(run, scratch))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"the warm start failed (exit code {child.exitcode}); its log is above")
         if target.exists():
             shutil.rmtree(target)
         scratch.rename(target)  # atomic: a crash leaves no half entry
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target / "policy"
+
+
+def _logged_warmstart(run: WarmStartRun, out_dir: pathlib.Path) -> None:
+    console_logging()
+    run_warmstart(run, out_dir, logging.getLogger(__name__).info)
