@@ -237,9 +237,10 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
 def cached_warmstart(run: WarmStartRun, log: Callable[[str], None] = print) -> pathlib.Path:
     """``run``'s policy directory, computed once into the cache (``$ORSD_JAX_CACHE/warmstart/<hash>``).
 
-    The computation runs in a child process: its train state, cached states and compiled steps
-    (about 10 GB for the embedded model) are gone before the caller starts its own model and
-    servers; in one process the cpu-demo ran out of memory on a 24 GiB machine.
+    The computation runs in a child process, so its train state, cached states and compiled steps
+    are gone before the caller starts its own model and servers: in one process the cpu-demo
+    trainer held 10 GB in its first RL update and, beside two vLLM servers, ran a 24 GiB machine
+    out of memory.
     """
     target = cache_dir() / "warmstart" / run.key()
     if (target / "policy" / "config.json").is_file():
