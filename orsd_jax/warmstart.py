@@ -28,13 +28,13 @@ import numpy as np
 from flax import nnx
 
 from orsd_jax import chat
-from orsd_jax.batch import Batch, StepSample, build_batch, tree_attention_mask
+from orsd_jax.batch import PAD, Batch, StepSample, build_batch, tree_attention_mask
 from orsd_jax.demos import Demonstration, alfworld_walkthrough, rubric_demo, walkthrough_demos, write_jsonl
 from orsd_jax.loss import response_logprobs
 from orsd_jax.metrics_log import console_logging
 from orsd_jax.models import CausalLM, cache_dir, load_model, save_hf
 from orsd_jax.rollout import RolloutConfig
-from orsd_jax.rubrics.generate import RubricConfig
+from orsd_jax.rubrics.generate import RUBRIC_PROMPT_VERSION, RubricConfig
 from orsd_jax.train_step import OptimizerConfig, init_train_state, make_mesh, make_optimizer, make_train_step
 
 
@@ -54,6 +54,9 @@ class SupervisedLoss:
     @staticmethod
     def metrics(sums, token_count):
         return {"likely_token_frac": sums["likely_tokens"] / jnp.maximum(token_count, 1)}
+
+
+ROW_MULTIPLE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +98,12 @@ def finetune(
     optimizer = make_optimizer(config.optimizer, frozen_layers=model.config.frozen_layers)
     graphdef, state, sharding = init_train_state(model, optimizer, mesh)
     step = make_train_step(SupervisedLoss(), optimizer, graphdef, sharding)
-    # Every batch padded to batch_size rows: one compiled shape per prompt-length bucket.
-    multiple = math.lcm(mesh.size * config.micro_batches, config.batch_size)
-    lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
+    # Rows padded to a multiple of 8 (and of the devices x micro-batches): a short last batch of a
+    # kind costs its own rows, for at most a few more compiled shapes per prompt-length bucket.
+    multiple = math.lcm(mesh.size * config.micro_batches, ROW_MULTIPLE)
     frozen = None
     if model.config.frozen_layers:
-        frozen = frozen_states(graphdef, state.params, samples, lengths, config.batch_size, multiple)
+        frozen = frozen_states(graphdef, state.params, samples, config.batch_size, multiple)
     rng = random.Random(config.seed)
     updates = 0
     for epoch in range(config.epochs):
@@ -129,9 +132,9 @@ def kind_batches(kinds: Sequence[bool], batch_size: int, rng: random.Random) -> 
     return batches
 
 
-def frozen_states(graphdef, params, samples: Sequence[StepSample], lengths: Sequence[int], batch_size: int,
-                  multiple: int) -> list[np.ndarray]:  # fmt: skip
-    """Each sample's ``CausalLM.frozen_states`` over its packed row, ``float[lengths[i], D]``.
+def frozen_states(graphdef, params, samples: Sequence[StepSample], batch_size: int, multiple: int) -> list[np.ndarray]:
+    """Each sample's ``CausalLM.frozen_states`` over its packed row, ``float[T_i, D]`` (``T_i``: the
+    row's tokens before padding).
 
     Frozen weights give the same states in every epoch; computing them once leaves each update the
     trainable layers only (memory: one ``D``-vector per demonstration token).
@@ -143,12 +146,13 @@ def frozen_states(graphdef, params, samples: Sequence[StepSample], lengths: Sequ
         return model.frozen_states(batch.tokens, batch.positions, mask=tree_attention_mask(batch.branch))
 
     out: list[np.ndarray] = [np.empty(0)] * len(samples)
-    order = sorted(range(len(samples)), key=lambda i: lengths[i])
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].prefix) + len(samples[i].response))
     for s in range(0, len(order), batch_size):
         chunk = order[s : s + batch_size]
-        states = np.asarray(run(params, build_batch([samples[i] for i in chunk], batch_multiple=multiple)))
+        batch = build_batch([samples[i] for i in chunk], batch_multiple=multiple)
+        states, lengths = np.asarray(run(params, batch)), (batch.branch != PAD).sum(axis=1)
         for row, i in enumerate(chunk):
-            out[i] = states[row, : lengths[i]]
+            out[i] = states[row, : lengths[row]]
     return out
 
 
@@ -160,7 +164,8 @@ def _pad_rows(rows: Sequence[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
     return out
 
 
-# Part of the cache key: bump it when the same settings would give other demonstrations.
+# Part of the cache key, with the rubric prompt's version: bump it when the same settings would give
+# other demonstrations.
 DEMO_VERSION = 2
 
 
@@ -182,7 +187,8 @@ class WarmStartRun:
     train: WarmStartConfig = WarmStartConfig()
 
     def key(self) -> str:
-        text = json.dumps({"version": DEMO_VERSION, **dataclasses.asdict(self)}, sort_keys=True, default=str)
+        versions = {"version": DEMO_VERSION, "rubric_prompt": RUBRIC_PROMPT_VERSION}
+        text = json.dumps({**versions, **dataclasses.asdict(self)}, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

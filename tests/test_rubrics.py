@@ -1,5 +1,6 @@
 """Rubric parsing, rendering and Spearman bundle selection."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -92,6 +93,17 @@ def test_render_hides_outcomes_and_fits_budget():
     assert "go to cabinet 0" in long and "go to cabinet 39" in long  # keeps both ends
     prompt = rubric_prompt("put a mug in desk", text, 2)
     assert "between 5 and 8" in prompt and "Attempt 2 (40 steps)" in prompt
+
+
+def test_render_group_shows_a_common_start_once():
+    same = [_trajectory(3, True), _trajectory(4, False)]
+    text = render_group(same, budget_tokens=120, count_tokens=lambda s: len(s.split()))
+    assert text.startswith("Every attempt starts from: observation 0\n") and text.count("observation 0") == 1
+    assert text.count("Step 1: saw: (the start shown above)") == 2 and "observation 3" in text
+    other = _trajectory(2, False)
+    other = dataclasses.replace(other, steps=(dataclasses.replace(other.steps[0], observation="elsewhere"), *other.steps[1:]))
+    text = render_group([same[0], other], budget_tokens=120, count_tokens=lambda s: len(s.split()))
+    assert "starts from" not in text and "saw: observation 0" in text and "saw: elsewhere" in text
 
 
 # Selection.

@@ -160,7 +160,7 @@ def test_frozen_states_computed_once_give_the_same_loss_and_gradients(setup):
         samples.append(demo_sample(Demonstration("g", k, "", tuple(prompt), "", tuple(answer)), fmt))
     lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
     graphdef, params = nnx.split(frozen_model)
-    states = frozen_states(graphdef, params, samples, lengths, batch_size=1, multiple=1)  # one row at a time
+    states = frozen_states(graphdef, params, samples, batch_size=2, multiple=8)  # one padded batch
     assert [s.shape for s in states] == [(n, config.hidden_size) for n in lengths]
     batch = build_batch(samples[::-1], batch_multiple=3)  # other order, padding rows
     cached = batch.replace(frozen=_pad_rows(states[::-1], batch.tokens.shape))

@@ -18,7 +18,7 @@ from orsd_jax.rubrics.parse import ParsedBundle, parse_bundle
 from orsd_jax.rubrics.render import render_group
 from orsd_jax.sampling.base import Sampler, SamplingParams
 
-RUBRIC_PROMPT_VERSION = 1
+RUBRIC_PROMPT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)

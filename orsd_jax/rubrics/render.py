@@ -20,17 +20,23 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _step_lines(trajectory: Trajectory) -> list[str]:
+SHOWN_ABOVE = "(the start shown above)"
+
+
+def _step_lines(trajectory: Trajectory, start_shown: bool) -> list[str]:
     return [
-        f"Step {k}: saw: {_clip(step.observation, MAX_OBSERVATION_CHARS)}\n"
+        f"Step {k}: saw: {SHOWN_ABOVE if k == 1 and start_shown else _clip(step.observation, MAX_OBSERVATION_CHARS)}\n"
         f"        did: {step.action if step.action is not None else '(no valid action)'}"
         for k, step in enumerate(trajectory.steps, start=1)
     ]
 
 
-def render_trajectory(trajectory: Trajectory, budget_tokens: int, count_tokens: Callable[[str], int]) -> str:
-    """The trajectory's steps, cut in the middle to fit ``budget_tokens``."""
-    lines = _step_lines(trajectory)
+def render_trajectory(
+    trajectory: Trajectory, budget_tokens: int, count_tokens: Callable[[str], int], *, start_shown: bool = False
+) -> str:
+    """The trajectory's steps, cut in the middle to fit ``budget_tokens``; with ``start_shown`` the
+    first observation is referred to, not repeated."""
+    lines = _step_lines(trajectory, start_shown)
     text = "\n".join(lines)
     if count_tokens(text) <= budget_tokens:
         return text
@@ -45,7 +51,11 @@ def render_trajectory(trajectory: Trajectory, budget_tokens: int, count_tokens: 
 def render_group(
     trajectories: Sequence[Trajectory], budget_tokens: int, count_tokens: Callable[[str], int]
 ) -> str:
-    return "\n\n".join(
-        f"Attempt {i} ({len(t.steps)} steps):\n{render_trajectory(t, budget_tokens, count_tokens)}"
+    """The attempts one after another; a first observation common to all of them is shown once."""
+    starts = {t.steps[0].observation for t in trajectories if t.steps}
+    shared = len(starts) == 1 and all(t.steps for t in trajectories)
+    attempts = "\n\n".join(
+        f"Attempt {i} ({len(t.steps)} steps):\n{render_trajectory(t, budget_tokens, count_tokens, start_shown=shared)}"
         for i, t in enumerate(trajectories, start=1)
     )
+    return f"Every attempt starts from: {_clip(starts.pop(), MAX_OBSERVATION_CHARS)}\n\n{attempts}" if shared else attempts
