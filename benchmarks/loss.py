@@ -146,7 +146,7 @@ def main() -> None:
     for name, (loss_cls, batch) in layouts(samples).items():
         step = make_train_step(loss_cls(LossConfig()), optimizer, graphdef, sharding)
         start = time.perf_counter()
-        state, _ = step(state, batch)
+        state, _, _ = step(state, batch)
         jax.block_until_ready(state)
         runs[name] = dict(step=step, batch=batch, compile=time.perf_counter() - start, times=[])
     matrix = jnp.ones((2048, 2048), jnp.float32)

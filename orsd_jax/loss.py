@@ -83,10 +83,12 @@ def policy_loss(
     logp_with: jax.Array | None,
     batch: Batch,
     config: LossConfig,
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """``(loss_sum, token_count, metric_sums)`` from the without-rubric ``logp``/``entropy [B, Y]``
-    and the with-rubric ``logp_with [B, Y]`` (``None``: no correction). Only samples with
-    ``batch.has_rubric`` are corrected."""
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array], dict[str, jax.Array]]:
+    """``(loss_sum, token_count, metric_sums, token_values)`` from the without-rubric
+    ``logp``/``entropy [B, Y]`` and the with-rubric ``logp_with [B, Y]`` (``None``: no correction).
+    Only samples with ``batch.has_rubric`` are corrected. ``token_values`` are ``[B, Y]`` arrays
+    (``orsd_jax.credit.VALUES``): log-probs with and without the rubric, their gap, the sample's
+    advantage, the corrected token advantage and where the gap was clipped."""
     mask = batch.response_mask
     # The corrected tokens: those of samples with a rubric, when with-rubric log-probs are given.
     rubric = mask * batch.has_rubric[:, None] * (logp_with is not None)
@@ -124,12 +126,21 @@ def policy_loss(
         "adv_sq": jnp.sum(traj_adv**2),
         "gap_adv": jnp.sum(gap * traj_adv),
     }
-    return jnp.sum(per_token * mask), jnp.sum(mask), sums
+    values = {  # per token, for credit maps (``orsd_jax.credit``)
+        "logp_with": jax.lax.stop_gradient(logp_with),
+        "logp_without": jax.lax.stop_gradient(logp),
+        "gap": gap,
+        "advantage": jnp.broadcast_to(batch.advantage[:, None], logp.shape),
+        "corrected": jax.lax.stop_gradient(adv),
+        "gap_clipped": (jnp.abs(gap) > config.clip) & (rubric > 0),
+    }
+    return jnp.sum(per_token * mask), jnp.sum(mask), sums, values
 
 
 @dataclasses.dataclass(frozen=True)
 class OrsdLoss:
-    """The loss the train step differentiates: ``(model, batch) -> (loss_sum, token_count, metric_sums)``."""
+    """The loss the train step differentiates: ``(model, batch) -> (loss_sum, token_count,
+    metric_sums, token_values)``."""
 
     config: LossConfig = LossConfig()
 

@@ -19,7 +19,7 @@ T = TypeVar("T")
 def console_logging() -> None:
     """INFO lines with the clock time; the chatty libraries (Orbax per file, HTTP per request) quieted."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    for chatty in ("absl", "httpx"):
+    for chatty in ("absl", "httpx", "httpx2"):  # httpx2: the openai client's
         logging.getLogger(chatty).setLevel(logging.WARNING)
 
 

@@ -32,7 +32,12 @@ DATA = "data"
 
 
 class Loss(Protocol):
-    def __call__(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]: ...
+    """``(model, batch) -> (loss_sum, token_count, metric_sums, per_row)``: ``per_row`` holds
+    ``[B, ...]`` arrays the step hands back as they are (e.g. per-token values), possibly none."""
+
+    def __call__(
+        self, model: nnx.Module, batch: Batch
+    ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array], dict[str, jax.Array]]: ...
 
     def metrics(self, sums: dict[str, jax.Array], token_count: jax.Array) -> dict[str, jax.Array]: ...
 
@@ -135,8 +140,9 @@ def state_shardings(state: Any, mesh: Mesh, fsdp: bool = False) -> Any:
 
 def loss_and_grads(
     loss: Loss, graphdef: nnx.GraphDef, params: nnx.State, batch: Any, micro_batches: int = 1
-) -> tuple[nnx.State, jax.Array, dict[str, jax.Array]]:
-    """``(grads, loss, metrics)`` of the token-mean loss over the whole batch.
+) -> tuple[nnx.State, jax.Array, dict[str, jax.Array], dict[str, jax.Array]]:
+    """``(grads, loss, metrics, per_row)`` of the token-mean loss over the whole batch (``per_row``:
+    the loss's ``[B, ...]`` arrays, rows in batch order).
 
     ``batch`` is a ``Batch`` or any pytree of arrays with rows on their leading axis.
 
@@ -150,39 +156,44 @@ def loss_and_grads(
 
     def sums_and_grads(micro):
         def f(p):
-            loss_sum, count, sums = loss(nnx.merge(graphdef, p), micro)
-            return loss_sum, (count, sums)
+            loss_sum, count, sums, rows = loss(nnx.merge(graphdef, p), micro)
+            return loss_sum, (count, sums, rows)
 
-        (loss_sum, (count, sums)), grads = jax.value_and_grad(f, has_aux=True)(params)
-        return grads, {"loss": loss_sum, "tokens": count, **sums}
+        (loss_sum, (count, sums, rows)), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return (grads, {"loss": loss_sum, "tokens": count, **sums}), rows
 
     def split(x):  # [B, ...] -> [M, B / M, ...], micro-batch m = rows m, m + M, ...
         return x.reshape(b // micro_batches, micro_batches, *x.shape[1:]).swapaxes(0, 1)
 
+    def unsplit(x):  # the inverse of split
+        return x.swapaxes(0, 1).reshape(b, *x.shape[2:])
+
     def body(carry, micro):
-        grads, sums = sums_and_grads(micro)
-        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (grads, sums)), None
+        summed, rows = sums_and_grads(micro)
+        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, summed), rows
 
     if micro_batches == 1:
-        grads, sums = sums_and_grads(batch)
+        (grads, sums), rows = sums_and_grads(batch)
     else:
         micros = jax.tree.map(split, batch)
-        shapes = jax.eval_shape(sums_and_grads, jax.tree.map(lambda x: x[0], micros))
+        shapes = jax.eval_shape(sums_and_grads, jax.tree.map(lambda x: x[0], micros))[0]
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
-        grads, sums = jax.lax.scan(body, zeros, micros)[0]
+        (grads, sums), rows = jax.lax.scan(body, zeros, micros)
+        rows = jax.tree.map(unsplit, rows)
     tokens = sums.pop("tokens")
     count = jnp.maximum(tokens, 1)
     grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
     # The raw sums too ("sum/<name>"): a caller combining several steps recomputes exact means.
     raw = {f"sum/{k}": v for k, v in sums.items() if k != "loss"}
-    return grads, sums.pop("loss") / count, loss.metrics(sums, tokens) | raw | {"tokens": tokens}
+    return grads, sums.pop("loss") / count, loss.metrics(sums, tokens) | raw | {"tokens": tokens}, rows
 
 
 def make_train_step(
     loss: Loss, optimizer: optax.GradientTransformation, graphdef: nnx.GraphDef, state_sharding: Any
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
-    """``step(state, batch, micro_batches=1) -> (state, metrics)``, jit-compiled over the mesh of
-    ``state_sharding`` (from ``init_train_state``).
+    """``step(state, batch, micro_batches=1) -> (state, metrics, per_row)``, jit-compiled over the
+    mesh of ``state_sharding`` (from ``init_train_state``); ``per_row`` is the loss's ``[B, ...]``
+    arrays at the parameters the step started from.
 
     The input state is donated. The batch may be numpy: it is split over ``"data"`` on the way
     in, so its row count must divide evenly (``build_batch(..., batch_multiple=devices *
@@ -192,16 +203,16 @@ def make_train_step(
     mesh = jax.tree.leaves(state_sharding)[0].mesh
 
     def step(state: TrainState, batch: Batch, micro_batches: int):
-        grads, loss_value, metrics = loss_and_grads(loss, graphdef, state.params, batch, micro_batches)
+        grads, loss_value, metrics, rows = loss_and_grads(loss, graphdef, state.params, batch, micro_batches)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = metrics | {"loss": loss_value, "grad_norm": optax.global_norm(grads)}
-        return TrainState(params, opt_state, state.step + 1), metrics
+        return TrainState(params, opt_state, state.step + 1), metrics, rows
 
     jitted = jax.jit(
         step,
         in_shardings=(state_sharding, NamedSharding(mesh, P(DATA))),
-        out_shardings=(state_sharding, NamedSharding(mesh, P())),
+        out_shardings=(state_sharding, NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA))),
         static_argnums=2,
         donate_argnums=0,
     )

@@ -32,7 +32,6 @@ from orsd_jax.advantages import gigpo_advantages, grpo_advantages
 from orsd_jax.batch import StepSample, build_batch
 from orsd_jax.checkpoints import Checkpoints
 from orsd_jax.config import TrainConfig, to_json
-from orsd_jax.credit import token_values
 from orsd_jax.envs.base import Task, TextEnv
 from orsd_jax.envs.pool import EnvPool
 from orsd_jax.loss import OrsdLoss
@@ -308,14 +307,14 @@ def _compile_cache() -> pathlib.Path:
 
 
 def train_minibatches(
-    train_step, state: TrainState, graphdef, samples: Sequence[StepSample], order: np.ndarray, config: TrainConfig, record: bool
+    train_step, state: TrainState, samples: Sequence[StepSample], order: np.ndarray, config: TrainConfig, record: bool
 ) -> tuple[TrainState, dict[str, float], float, list]:
     """Optimizer steps over ``samples`` taken in ``order``, ``config.minibatch_rows`` at a time.
 
     Returns the new state; the loss metrics of the whole update, computed once from the loss sums
     of every minibatch (so the gap statistics are exact over the update, not means of means);
-    the response token count; and, when ``record``, per minibatch (rows, token values at the
-    parameters its step used, response mask).
+    the response token count; and, when ``record``, per minibatch (rows, the token values its step's
+    loss computed, response mask).
     """
     totals: dict[str, float] = {}
     weighted = {"loss": 0.0, "grad_norm": 0.0}  # per-step values, token-weighted
@@ -323,9 +322,9 @@ def train_minibatches(
     for start in progress(range(0, len(samples), config.minibatch_rows), "train"):
         rows = order[start : start + config.minibatch_rows].tolist()
         batch = build_batch([samples[r] for r in rows], seq_multiple=128, response_multiple=32, batch_multiple=config.minibatch_rows)
+        state, step_metrics, values = train_step(state, batch, config.micro_batches)
         if record:
-            recorded.append((rows, token_values(graphdef, state.params, batch, config.loss), batch.response_mask))
-        state, step_metrics = train_step(state, batch, config.micro_batches)
+            recorded.append((rows, {k: np.asarray(v) for k, v in values.items()}, batch.response_mask))
         step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
         for k, v in step_metrics.items():
             if k.startswith("sum/"):
@@ -367,7 +366,7 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
     order = np.random.default_rng([c.seed, update, 1]).permutation(len(samples))
     t0 = time.perf_counter()
     record = c.credit_every and (update + 1) % c.credit_every == 0 or update + 1 == c.updates
-    run.state, loss_metrics, tokens, recorded = train_minibatches(run.train_step, run.state, run.graphdef, samples, order, c, record)
+    run.state, loss_metrics, tokens, recorded = train_minibatches(run.train_step, run.state, samples, order, c, record)
     without_rubric = ("gap", "rubric_token_frac")  # meaningless without a rubric stage
     metrics |= {f"loss/{k}": v for k, v in loss_metrics.items() if c.uses_rubrics or not k.startswith(without_rubric)}
     metrics["train/tokens"] = tokens
@@ -379,6 +378,16 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
     metrics["time/weight_push"] = time.perf_counter() - t0
     metrics["time/update"] = time.perf_counter() - started
     return metrics, (groups, rubrics, index, recorded)
+
+
+def update_line(update: int, updates: int, metrics: dict[str, float]) -> str:
+    """One console line per update: outcomes, the rubric stage when there is one, the loss, the time."""
+    parts = [f"update {update}/{updates}: success {metrics['env/success']:.0%}",
+             f"invalid answers {metrics['env/invalid_rate']:.0%}", f"mixed groups {metrics['env/mixed_groups']:.0%}"]  # fmt: skip
+    if "rubric/groups_with_rubric" in metrics:
+        parts.append(f"groups with a rubric {metrics['rubric/groups_with_rubric']:.0f}")
+    parts += [f"loss {metrics['loss/loss']:+.4f}", f"{metrics['time/update']:.0f} s"]
+    return ", ".join(parts)
 
 
 def evaluate(run: Run, update: int) -> dict[str, float]:
@@ -431,6 +440,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
             if c.eval_every and (update + 1) % c.eval_every == 0 and update + 1 < c.updates:
                 metrics |= evaluate(run, update + 1)
             metrics_log.write(update + 1, metrics)
+            log.info(update_line(update + 1, c.updates, metrics))
             if (update + 1) % c.checkpoint_every == 0 or update + 1 == c.updates:
                 meta = {"update": update + 1, "seed": c.seed, "data_cursor": (update + 1) * c.n_tasks,
                         "verifier_cache": str(out / "verifier_cache"), "config": json.loads(to_json(config))}  # fmt: skip

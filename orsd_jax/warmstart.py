@@ -49,7 +49,7 @@ class SupervisedLoss:
         _, logp, _ = response_logprobs(model, batch, chunk_size=self.chunk_size, with_rubric=False)
         mask = batch.response_mask
         correct = jnp.sum((logp > jnp.log(0.5)) * mask)  # tokens the model already puts most mass on
-        return -jnp.sum(logp * mask), jnp.sum(mask), {"likely_tokens": correct}
+        return -jnp.sum(logp * mask), jnp.sum(mask), {"likely_tokens": correct}, {}
 
     @staticmethod
     def metrics(sums, token_count):
@@ -112,7 +112,7 @@ def finetune(
             batch = build_batch([samples[i] for i in indices], batch_multiple=multiple)
             if frozen is not None:
                 batch = batch.replace(frozen=_pad_rows([frozen[i] for i in indices], batch.tokens.shape))
-            state, metrics = step(state, batch, config.micro_batches)
+            state, metrics, _ = step(state, batch, config.micro_batches)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if not k.startswith("sum/")}
             updates += 1
             log(updates, metrics | {"epoch": epoch, "seconds": time.perf_counter() - started})
@@ -166,7 +166,7 @@ def _pad_rows(rows: Sequence[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
 
 # Part of the cache key, with the rubric prompt's version: bump it when the same settings would give
 # other demonstrations.
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,6 @@ class WarmStartRun:
     train_games: int = 200  # generated train split size (demonstrations use the first ``demo_games``)
     eval_games: int = 50  # generated valid_seen / valid_unseen sizes
     demo_games: int = 120
-    max_detours: int = 2
     reasoning: bool = False
     frozen_layers: int = 0
     rollout: RolloutConfig = RolloutConfig()
@@ -207,7 +206,7 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
     env = AlfworldEnv(max_steps=run.rollout.max_steps)
     demos = walkthrough_demos(
         env, tasks, alfworld_walkthrough, run.rollout, build_prompt, tokenizer=tokenizer, fmt=fmt,
-        reasoning=run.reasoning, max_detours=run.max_detours, seed=run.games_seed,
+        reasoning=run.reasoning,
     )
     if run.rubric is not None:
         rng = random.Random(f"{run.games_seed}/rubrics")

@@ -33,7 +33,7 @@ def run(mesh, fsdp: bool):
                         batch_multiple=4 * MICRO_BATCHES)  # fmt: skip
     metrics = []
     for _ in range(STEPS):
-        state, m = step(state, batch, MICRO_BATCHES)
+        state, m, _ = step(state, batch, MICRO_BATCHES)
         metrics.append({k: float(v) for k, v in m.items()})
     specs = {jax.tree_util.keystr(p): str(x.sharding.spec) for p, x in jax.tree_util.tree_leaves_with_path(state)}
     return jax.tree.map(np.asarray, state.params), metrics, specs, int(state.step)

@@ -21,7 +21,7 @@ from experiments.credit_report import rendered_dom, screenshot, write_report
 from orsd_jax.batch import build_batch
 from orsd_jax.config import preset
 from orsd_jax.credit_html import gap_colour
-from orsd_jax.credit import load_credit, recorded_updates, run_tokenizer, token_pieces, token_values
+from orsd_jax.credit import load_credit, recorded_updates, run_tokenizer, token_pieces
 from orsd_jax.loss import LossConfig, OrsdLoss
 from orsd_jax.models import EMBEDDED, resolve
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
@@ -46,13 +46,15 @@ def test_token_values_are_what_the_loss_uses():
     """At ratio 1 (old log-probs = current) and without entropy/KL terms, the loss is exactly
     ``-mean(corrected advantage)``, so the recorded ``corrected`` is the loss's token advantage."""
     graphdef, params = tiny_model()
+    model = nnx.merge(graphdef, params)
     samples = make_samples((True, False, True, True))
     config = LossConfig(coef=0.8, clip=0.2, entropy_coef=0.0, chunk_size=4)
-    values = token_values(graphdef, params, build_batch(samples, seq_multiple=16, response_multiple=4), config)
-    samples = [dataclasses.replace(s, old_logprobs=values["logp_without"][i, : len(s.response)].tolist())
+    first = OrsdLoss(config)(model, build_batch(samples, seq_multiple=16, response_multiple=4))[3]
+    samples = [dataclasses.replace(s, old_logprobs=np.asarray(first["logp_without"][i, : len(s.response)]).tolist())
                for i, s in enumerate(samples)]  # fmt: skip
     batch = build_batch(samples, seq_multiple=16, response_multiple=4)
-    loss_sum, count, sums = OrsdLoss(config)(nnx.merge(graphdef, params), batch)
+    loss_sum, count, sums, values = OrsdLoss(config)(model, batch)
+    values = {k: np.asarray(v) for k, v in values.items()}
     mask = np.asarray(batch.response_mask)
     np.testing.assert_allclose(float(loss_sum), -np.sum(values["corrected"] * mask), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(sums["gap"]), np.sum(values["gap"] * mask), rtol=1e-5, atol=1e-6)
@@ -96,7 +98,7 @@ def test_update_metrics_are_exact_over_minibatches(tmp_path):
     graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(config.loss), optimizer, graphdef, sharding)
     samples = make_samples((True, True, True, False, False, True))  # minibatches with 2, 1 and 1 rubric rows
-    _, metrics, tokens, recorded = train_minibatches(step, state, graphdef, samples, np.arange(6), config, record=True)
+    _, metrics, tokens, recorded = train_minibatches(step, state, samples, np.arange(6), config, record=True)
     assert len(recorded) == 3
     gaps = np.concatenate([
         values["gap"][i, : len(samples[r].response)]

@@ -96,21 +96,21 @@ def test_ppo_clip_dual_clip_entropy_and_kl_by_hand():
     logp = _pad([np.log([1.5, 0.9, 1.1]), np.log([0.5, 5.0])])
     batch = _toy_batch([3, 2], [1.0, -1.0], [False, False], [[0.0] * 3, [0.0] * 2])
     base = LossConfig(coef=0.0, clip_low=0.2, clip_high=0.2, dual_clip=3.0, entropy_coef=0.0)
-    loss_sum, count, sums = policy_loss(logp, jnp.zeros_like(logp), None, batch, base)
+    loss_sum, count, sums, _ = policy_loss(logp, jnp.zeros_like(logp), None, batch, base)
     # A = +1: max(-1.5, -1.2) = -1.2 (clipped), -0.9, -1.1. A = -1: max(0.5, 0.8) = 0.8 (clipped),
     # max(5, 1.2) = 5, dual-clipped to 3.
     assert float(count) == 5 and float(sums["clipped"]) == 2
     np.testing.assert_allclose(float(loss_sum), -1.2 - 0.9 - 1.1 + 0.8 + 3.0, rtol=1e-6)
     # Clip-higher 0.28 moves the first token to -1.28; no dual clip leaves the last at 5.
     higher = dataclasses.replace(base, clip_high=0.28, dual_clip=None)
-    loss_sum, _, _ = policy_loss(logp, jnp.zeros_like(logp), None, batch, higher)
+    loss_sum, _, _, _ = policy_loss(logp, jnp.zeros_like(logp), None, batch, higher)
     np.testing.assert_allclose(float(loss_sum), -1.28 - 0.9 - 1.1 + 0.8 + 5.0, rtol=1e-6)
     # Entropy bonus 0.1 on entropies 1..5 (sum 15) and k3 KL 0.1 against a reference log(2) above
     # the first token: e^log2 - log2 - 1.
     ref = [list(np.log([3.0, 0.9, 1.1])), list(np.log([0.5, 5.0]))]
     batch = _toy_batch([3, 2], [1.0, -1.0], [False, False], [[0.0] * 3, [0.0] * 2], ref=ref)
     config = LossConfig(coef=0.0, dual_clip=3.0, entropy_coef=0.1, kl_coef=0.1)
-    loss_sum, _, sums = policy_loss(logp, _pad([[1, 2, 3], [4, 5]]), None, batch, config)
+    loss_sum, _, sums, _ = policy_loss(logp, _pad([[1, 2, 3], [4, 5]]), None, batch, config)
     kl = 2 - np.log(2) - 1
     np.testing.assert_allclose(float(loss_sum), 0.6 - 0.1 * 15 + 0.1 * kl, rtol=1e-5)
     np.testing.assert_allclose(float(sums["ref_kl"]), kl, rtol=1e-5)
@@ -126,7 +126,7 @@ def test_correction_and_gap_metrics_by_hand():
     logp_with = logp + _pad(gaps)
     batch = _toy_batch([3, 1, 2], [1.0, 0.5, -1.0], [True, False, True], old)
     config = LossConfig(coef=0.5, clip=1.0, entropy_coef=0.0)
-    loss_sum, count, sums = policy_loss(logp, jnp.zeros_like(logp), logp_with, batch, config)
+    loss_sum, count, sums, _ = policy_loss(logp, jnp.zeros_like(logp), logp_with, batch, config)
     # Ahat: 1 + 0.5 * (0.4, 1, -0.2) = 1.2, 1.5, 0.9; 0.5; -1 + 0.5 * (-1, 0.5) = -1.5, -0.75.
     np.testing.assert_allclose(float(loss_sum), -(1.2 + 1.5 + 0.9 + 0.5 - 1.5 - 0.75), rtol=1e-6)
     metrics = OrsdLoss.metrics(sums, count)
@@ -252,7 +252,7 @@ def packed_value_and_grad(batch, config):
     graphdef, params = tiny_model()
 
     def f(p):
-        loss_sum, count, _ = OrsdLoss(config)(nnx.merge(graphdef, p), batch)
+        loss_sum, count, _, _ = OrsdLoss(config)(nnx.merge(graphdef, p), batch)
         return loss_sum / count
 
     return fast_jit(jax.value_and_grad(f))(params)
@@ -298,5 +298,5 @@ def test_coef_zero_is_plain_grpo():
     assert (grpo_batch.branch != PAD).sum() == sum(p + t + y for p, _, t, y in sizes)
     assert (batch.branch != PAD).sum() == sum(p + (r + t + y if r else 0) + t + y for p, r, t, y in sizes)
     graphdef, params = tiny_model()
-    loss_sum, count, _ = fast_jit(lambda p, b: OrsdLoss(config)(nnx.merge(graphdef, p), b))(params, grpo_batch)
+    loss_sum, count, _, _ = fast_jit(lambda p, b: OrsdLoss(config)(nnx.merge(graphdef, p), b))(params, grpo_batch)
     np.testing.assert_allclose(float(loss_sum / count), float(expected_loss), atol=1e-5, rtol=0)

@@ -32,10 +32,11 @@ def test_four_micro_batches_equal_one_batch():
     samples = make_samples((True, False, True, True, False, True, False, True), seed=1)
     batch = build_batch(samples, seq_multiple=16, batch_multiple=4)
     params = tiny_model()[1]
-    grads, loss, metrics = _loss_and_grads(params, batch, 1)
-    grads4, loss4, metrics4 = _loss_and_grads(params, batch, 4)
+    grads, loss, metrics, values = _loss_and_grads(params, batch, 1)
+    grads4, loss4, metrics4, values4 = _loss_and_grads(params, batch, 4)
     np.testing.assert_allclose(float(loss4), float(loss), atol=1e-5, rtol=0)
     assert_trees_close(grads4, grads)
+    assert_trees_close(values4, values)  # per-token values back in row order
     assert set(metrics4) == set(metrics)
     for key in metrics:
         np.testing.assert_allclose(float(metrics4[key]), float(metrics[key]), atol=1e-5, rtol=1e-5, err_msg=key)

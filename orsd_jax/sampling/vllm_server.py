@@ -199,6 +199,10 @@ class VLLMServer:
         o = self.options
         model_dir = pathlib.Path(model_dir).resolve()  # vLLM resolves a relative one against its cwd
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(o.cpu_kv_cache_gib), **o.env}
+        if _cpu_build():
+            # vLLM's automatic binding keeps one core for its scheduler, which on a 2-core machine
+            # halves the model's threads; the scheduler mostly sleeps while the model runs.
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
         # The worker imports WORKER_EXTENSION: make this package importable there.
         package_root = str(pathlib.Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
