@@ -29,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--difficulty", default="easy", choices=["easy", "standard", "hard"])
     p.add_argument("--games-seed", type=int, default=0)
     p.add_argument("--demo-games", type=int, default=120, help="train games to demonstrate")
+    p.add_argument("--max-detours", type=int, default=2, help="random visits before the plan (exploration)")
     p.add_argument("--reasoning", action="store_true", help="a reasoning sentence in <think> (default: empty)")
     p.add_argument("--frozen-layers", type=int, default=0, help="train only the layers above this many")
     p.add_argument("--epochs", type=int, default=2)
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         difficulty=args.difficulty,
         games_seed=args.games_seed,
         demo_games=args.demo_games,
+        max_detours=args.max_detours,
         reasoning=args.reasoning,
         frozen_layers=args.frozen_layers,
         rollout=rollout,

@@ -153,6 +153,7 @@ _CPU_WARMSTART = WarmStartRun(
     model=EMBEDDED,
     difficulty="easy",
     demo_games=24,
+    max_detours=2,
     reasoning=False,
     frozen_layers=26,
     rollout=_EASY_ROLLOUT,

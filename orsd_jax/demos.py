@@ -7,18 +7,13 @@ and the command, then the command, ``<think>...</think><action>...</action>``. W
 ``reasoning=False`` the think block is empty, which small models learn faster.
 
 The planner knows where every object is; the agent does not (ALFWorld shows an object only once
-the agent is at its receptacle). Cloning the plan as is teaches targets the prompt cannot
-predict: a warm-started 135M model then guessed the most salient place, mostly the one it stood
-at, an inadmissible command. So the demonstrator (``SearchingExpert``) follows the plan except
-where the plan walks straight to a hidden object: there it searches, visiting the receptacles in
-the order of the admissible list, each time the one after where it stands, until it arrives where
-the object is. Every target is then a function of what the prompt shows.
+the agent is at its receptacle). Demonstrations can therefore start with a few detours to other
+receptacles before the plan, so the policy also sees what to do after a fruitless visit.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 import random
@@ -62,67 +57,26 @@ def demo_answer(task_description: str, command: str, reasoning: bool = True) -> 
     return f"<think>My task is to {task_description}. {why}".rstrip() + f"</think><action>{command}</action>"
 
 
-_GO_TO = re.compile(r"go to (.+)")
-
-
-class SearchingExpert:
-    """A policy (``EnvStep -> command``, ``None`` when done) that plays ``plan`` but searches for
-    what the plan takes or uses instead of walking straight to it.
-
-    A search is a plan step ``go to R`` whose next command (after opening ``R``) takes or uses
-    something. It is replaced by visits in the admissible list's order: from the place the agent
-    stands at, the first ``go to`` entry after it (wrapping around), until the agent is at ``R``.
-    Other ``go to`` steps (to a receptacle the task names or its kind implies) are kept.
-    """
-
-    def __init__(self, plan: Sequence[str]):
-        self.plan, self.next, self.at = list(plan), 0, None
-
-    def _searches(self, i: int) -> bool:
-        j = i + 1 + (i + 1 < len(self.plan) and self.plan[i + 1].startswith("open "))
-        return j < len(self.plan) and self.plan[j].startswith(("take ", "use "))
-
-    def __call__(self, current: EnvStep) -> str | None:
-        while self.next < len(self.plan):
-            command, m = self.plan[self.next], _GO_TO.fullmatch(self.plan[self.next])
-            if m and self._searches(self.next) and self.at != m.group(1):
-                places = [a for a in current.admissible_actions if a.startswith("go to ")]
-                here = f"go to {self.at}" if self.at else ""
-                command = next((a for a in places if a > here), places[0])
-            else:
-                self.next += 1
-                if m and self.at == m.group(1):  # a search arrived: the plan's own step is done
-                    continue
-            if go := _GO_TO.fullmatch(command):
-                self.at = go.group(1)
-            return command
-        return None
-
-
-def _replay(actions: Sequence[str]) -> Callable[[EnvStep], str | None]:
-    remaining = iter(actions)
-    return lambda current: next(remaining, None)
-
-
 def record_episode(
     env: TextEnv,
     task: Task,
-    policy: Sequence[str] | Callable[[EnvStep], str | None],
+    actions: Sequence[str] | Callable[[EnvStep], Sequence[str]],
     config: RolloutConfig,
     build_prompt: PromptBuilder,
     *,
     tokenizer,
     fmt: chat.ChatFormat,
 ) -> list[tuple[str, list[int], str, str]]:
-    """Plays ``policy`` (a list of commands, or ``EnvStep -> command``, ``None`` to stop) until the
-    episode ends and returns, per step, (user text, prompt ids, action, observation) exactly as the
-    rollout builds them."""
+    """Plays ``actions`` (or ``actions(first observation)``) and returns, per step, (user text,
+    prompt ids, action, observation) exactly as the rollout builds them."""
     current = env.reset(task)
-    if not callable(policy):
-        policy = _replay(policy)
+    if callable(actions):
+        actions = actions(current)
     history: list[tuple[str, str]] = []
     records = []
-    while not current.done and (action := policy(current)) is not None:
+    for action in actions:
+        if current.done:
+            break
         text, ids, _ = fit_prompt(
             build_prompt, fmt, tokenizer, config.max_prompt_tokens, task, current.observation,
             current.admissible_actions, history, len(history), config.history_length,
@@ -143,13 +97,20 @@ def walkthrough_demos(
     tokenizer,
     fmt: chat.ChatFormat,
     reasoning: bool = True,
+    max_detours: int = 0,
+    seed: int = 0,
 ) -> list[Demonstration]:
-    """Demonstrations of a ``SearchingExpert`` on every task's plan (``walkthrough(task) -> commands``)."""
+    """Demonstrations of every task's expert plan (``walkthrough(task) -> commands``), each after
+    0..``max_detours`` random detours."""
     demos = []
     end = [fmt.stop_token_ids[0]]
-    for task in tasks:
-        records = record_episode(env, task, SearchingExpert(walkthrough(task)), config, build_prompt,
-                                 tokenizer=tokenizer, fmt=fmt)  # fmt: skip
+    for index, task in enumerate(tasks):
+        rng = random.Random(f"{seed}/{index}")  # not the key: a game's key is its path on this machine
+        plan = walkthrough(task)
+        records = record_episode(
+            env, task, lambda first: with_detours(plan, first, rng, max_detours), config, build_prompt,
+            tokenizer=tokenizer, fmt=fmt,
+        )
         for step, (text, ids, command, _) in enumerate(records):
             answer = demo_answer(task.description, command, reasoning)
             demos.append(Demonstration(task.key, step, text, tuple(ids), answer, tuple(chat.encode(tokenizer, answer) + end)))
@@ -157,8 +118,8 @@ def walkthrough_demos(
 
 
 # Rubric writing. A 135M model writes no usable rubric untrained, so the CPU warm start also shows
-# it the rubric format: for a group of attempts at a game (the plan, a search, a wander, half the
-# plan then a wander), a list of process criteria read off the planner's plan.
+# it the rubric format: for a group of attempts at a game (the plan, the plan after detours, a
+# wander, half the plan then a wander), a list of process criteria read off the planner's plan.
 
 _CRITERIA = [
     (re.compile(r"take (.+) from (.+)"), "The agent takes the {0} from the {1}."),
@@ -197,25 +158,19 @@ def rubric_demo(
     fmt: chat.ChatFormat,
     rng: random.Random,
 ) -> Demonstration:
-    """The rubric writer's prompt for four attempts at ``task`` (as ``generate_bundles`` builds it:
-    the plan, a search, a wander, half the plan then a wander) and the plan's criteria as a
-    numbered list."""
+    """The rubric writer's prompt for four attempts at ``task`` (as ``generate_bundles`` builds it)
+    and the plan's criteria as a numbered list."""
 
-    def wander(prefix: Sequence[str], n: int) -> Callable[[EnvStep], str | None]:
-        """``prefix``, then ``n`` visits to random places."""
-        steps = itertools.count()
+    def wander(first: EnvStep, n: int) -> list[str]:
+        places = [a for a in first.admissible_actions if a.startswith("go to ")]
+        return [rng.choice(places) for _ in range(n)]
 
-        def policy(current: EnvStep) -> str | None:
-            k = next(steps)
-            if k < len(prefix):
-                return prefix[k]
-            places = [a for a in current.admissible_actions if a.startswith("go to ")]
-            return rng.choice(places) if k < len(prefix) + n else None
-
-        return policy
-
-    half = len(plan) // 2
-    variants = [plan, SearchingExpert(plan), wander((), len(plan)), wander(plan[:half], len(plan) - half)]
+    variants = [
+        lambda first: list(plan),
+        lambda first: with_detours(plan, first, rng, 2),
+        lambda first: wander(first, len(plan)),
+        lambda first: list(plan[: len(plan) // 2]) + wander(first, len(plan) - len(plan) // 2),
+    ]
     attempts = []
     for actions in variants:
         records = record_episode(env, task, actions, rollout, build_prompt, tokenizer=tokenizer, fmt=fmt)
@@ -232,6 +187,14 @@ def alfworld_walkthrough(task: Task) -> list[str]:
     """The planner's plan stored in an ALFWorld game file."""
     with open(task.key) as f:
         return list(json.load(f)["walkthrough"])
+
+
+def with_detours(plan: Sequence[str], first: EnvStep, rng: random.Random, max_detours: int) -> list[str]:
+    """``plan`` after 0..``max_detours`` visits to other places the first observation offers."""
+    if not plan or not plan[0].startswith("go to "):
+        return list(plan)
+    places = [a for a in first.admissible_actions if a.startswith("go to ") and a != plan[0]]
+    return rng.sample(places, min(len(places), rng.randint(0, max_detours))) + list(plan)
 
 
 def write_jsonl(demos: Sequence[Demonstration], path: str | os.PathLike) -> None:

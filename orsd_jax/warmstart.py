@@ -166,7 +166,7 @@ def _pad_rows(rows: Sequence[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
 
 # Part of the cache key, with the rubric prompt's version: bump it when the same settings would give
 # other demonstrations.
-DEMO_VERSION = 3
+DEMO_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +179,7 @@ class WarmStartRun:
     train_games: int = 200  # generated train split size (demonstrations use the first ``demo_games``)
     eval_games: int = 50  # generated valid_seen / valid_unseen sizes
     demo_games: int = 120
+    max_detours: int = 2
     reasoning: bool = False
     frozen_layers: int = 0
     rollout: RolloutConfig = RolloutConfig()
@@ -206,7 +207,7 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
     env = AlfworldEnv(max_steps=run.rollout.max_steps)
     demos = walkthrough_demos(
         env, tasks, alfworld_walkthrough, run.rollout, build_prompt, tokenizer=tokenizer, fmt=fmt,
-        reasoning=run.reasoning,
+        reasoning=run.reasoning, max_detours=run.max_detours, seed=run.games_seed,
     )
     if run.rubric is not None:
         rng = random.Random(f"{run.games_seed}/rubrics")
