@@ -190,7 +190,7 @@ def loss_and_grads(
 
 def make_train_step(
     loss: Loss, optimizer: optax.GradientTransformation, graphdef: nnx.GraphDef, state_sharding: Any
-) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
+) -> Callable[..., tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]]:
     """``step(state, batch, micro_batches=1) -> (state, metrics, per_row)``, jit-compiled over the
     mesh of ``state_sharding`` (from ``init_train_state``); ``per_row`` is the loss's ``[B, ...]``
     arrays at the parameters the step started from.
@@ -206,7 +206,7 @@ def make_train_step(
         grads, loss_value, metrics, rows = loss_and_grads(loss, graphdef, state.params, batch, micro_batches)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = metrics | {"loss": loss_value, "grad_norm": optax.global_norm(grads)}
+        metrics = metrics | {"loss": loss_value, "grad_norm": optax.tree.norm(grads)}
         return TrainState(params, opt_state, state.step + 1), metrics, rows
 
     jitted = jax.jit(
