@@ -153,10 +153,10 @@ def main() -> None:
     # vLLM with this project's core binding (every core), and with vLLM's own (one core kept for
     # its scheduler), for the comparison.
     variants = {"vllm": {}, "vllm-own-binding": {"VLLM_CPU_OMP_THREADS_BIND": "auto"}}
-    for variant in (v for v in variants if v in args.samplers):
-        from orsd_jax.sampling.vllm_sampler import VLLMSampler
-        from orsd_jax.sampling.vllm_server import ServerOptions
+    from orsd_jax.sampling.vllm_sampler import VLLMSampler
+    from orsd_jax.sampling.vllm_server import ServerOptions
 
+    for variant in (v for v in variants if v in args.samplers):
         env = variants[variant] | dict(item.split("=", 1) for item in args.vllm_env)
         options = ServerOptions(max_model_len=max_model_len, dtype=model.config.param_dtype,
                                 eager=not args.vllm_compiled, cpu_kv_cache_gib=2, env=env)

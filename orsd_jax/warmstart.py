@@ -248,13 +248,14 @@ def cached_warmstart(run: WarmStartRun, log: Callable[[str], None] = print) -> p
     trainer held 10 GB in its first RL update and, beside two vLLM servers, ran a 24 GiB machine
     out of memory.
     """
-    target = cache_dir() / "warmstart" / run.key()
+    key = run.key()
+    target = cache_dir() / "warmstart" / key
     if (target / "policy" / "config.json").is_file():
         return target / "policy"
     target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{run.key()}.", dir=target.parent))
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{key}.", dir=target.parent))
     try:
-        log(f"warm start {run.key()}: computed once, in a child process, then cached")
+        log(f"warm start {key}: computed once, in a child process, then cached")
         child = multiprocessing.get_context("spawn").Process(target=_logged_warmstart, args=(run, scratch))
         child.start()
         child.join()

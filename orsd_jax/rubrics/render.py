@@ -52,10 +52,11 @@ def render_group(
     trajectories: Sequence[Trajectory], budget_tokens: int, count_tokens: Callable[[str], int]
 ) -> str:
     """The attempts one after another; a first observation common to all of them is shown once."""
-    starts = {t.steps[0].observation for t in trajectories if t.steps}
-    shared = len(starts) == 1 and all(t.steps for t in trajectories)
+    starts = {t.steps[0].observation if t.steps else None for t in trajectories}
+    start = starts.pop() if len(starts) == 1 else None
     attempts = "\n\n".join(
-        f"Attempt {i} ({len(t.steps)} steps):\n{render_trajectory(t, budget_tokens, count_tokens, start_shown=shared)}"
+        f"Attempt {i} ({len(t.steps)} steps):\n"
+        f"{render_trajectory(t, budget_tokens, count_tokens, start_shown=start is not None)}"
         for i, t in enumerate(trajectories, start=1)
     )
-    return f"Every attempt starts from: {_clip(starts.pop(), MAX_OBSERVATION_CHARS)}\n\n{attempts}" if shared else attempts
+    return attempts if start is None else f"Every attempt starts from: {_clip(start, MAX_OBSERVATION_CHARS)}\n\n{attempts}"
