@@ -179,7 +179,7 @@ def _cpu_demo(env: str) -> TrainConfig:
         loss=LossConfig(entropy_coef=0.0),
         optimizer=OptimizerConfig(learning_rate=2e-5, weight_decay=0.0),
         minibatch_rows=16,
-        credit_every=1,  # two updates: keep both updates' rubrics and credit (a few MB)
+        credit_every=1,  # two updates: keep both updates' rubrics and credit (about 50 KB each)
         eval_games=16,
         eval_temperature=0.4,
     )
