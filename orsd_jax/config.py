@@ -103,6 +103,9 @@ class TrainConfig:
             raise ValueError(f"unknown environment {self.env.name!r}; expected one of {ENVS}")
         if self.group_size < 2:
             raise ValueError("group_size must be at least 2: advantages compare trajectories of a group")
+        if self.loss.temperature != self.rollout.temperature:
+            # The ratio compares the policy's log-probs with the sampler's, both of the tempered distribution.
+            raise ValueError(f"loss.temperature {self.loss.temperature} must equal rollout.temperature {self.rollout.temperature}")
 
     @property
     def uses_rubrics(self) -> bool:
@@ -156,10 +159,12 @@ _CPU_WARMSTART = WarmStartRun(
     demo_games=24,
     max_detours=2,
     reasoning=False,
-    frozen_layers=26,
+    # Top 8 layers for one epoch cost what the top 4 did for two, and answer validly far more
+    # often (README, "The warm start"); RL then trains the top 4.
+    frozen_layers=22,
     rollout=_EASY_ROLLOUT,
     rubric=_CPU_RUBRIC,
-    train=WarmStartConfig(epochs=2, batch_size=16, optimizer=OptimizerConfig(learning_rate=2e-4, weight_decay=0.0)),
+    train=WarmStartConfig(epochs=1, batch_size=16, optimizer=OptimizerConfig(learning_rate=5e-4, weight_decay=0.0)),
 )
 
 
@@ -173,10 +178,11 @@ def _cpu_demo(env: str) -> TrainConfig:
         n_tasks=2,
         group_size=4,
         updates=2,
-        rollout=_EASY_ROLLOUT,
+        # The warm-started policy answers validly in 70% of steps at temperature 0.7, 38% at 1.0.
+        rollout=dataclasses.replace(_EASY_ROLLOUT, temperature=0.7),
         rubric=_CPU_RUBRIC,
         verifier=VerifierSetup(kind="local-vllm", mode="logprob"),
-        loss=LossConfig(entropy_coef=0.0),
+        loss=LossConfig(entropy_coef=0.0, temperature=0.7),
         optimizer=OptimizerConfig(learning_rate=2e-5, weight_decay=0.0),
         minibatch_rows=16,
         credit_every=1,  # two updates: keep both updates' rubrics and credit (about 50 KB each)

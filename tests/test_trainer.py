@@ -144,6 +144,13 @@ def _traj(rewards_valid, task="t"):
     return Trajectory(Task("alfworld", task, "pick", task), steps, won=any(r for r, _ in rewards_valid), score=0.0)
 
 
+def test_loss_temperature_must_be_the_samplers():
+    config = preset("cpu-demo")
+    assert config.loss.temperature == config.rollout.temperature != 1.0
+    with pytest.raises(ValueError, match="loss.temperature 1.0 must equal rollout.temperature 0.7"):
+        dataclasses.replace(config, loss=dataclasses.replace(config.loss, temperature=1.0))
+
+
 def test_step_advantages_fold_the_invalid_penalty():
     win = _traj([(0.0, True), (10.0, True)])
     lose = _traj([(0.0, False), (0.0, True)])
