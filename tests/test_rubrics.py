@@ -30,6 +30,7 @@ def test_numbered_bulleted_and_json_lists():
         text = "Here are the criteria:\n" + "\n".join(f"{marker} {c}" for c in FIVE) + "\nThat is all."
         assert parse_bundle(text).criteria == tuple(FIVE), marker
     assert parse_bundle(json.dumps(FIVE)).criteria == tuple(FIVE)
+    assert parse_bundle(json.dumps([f"{k}. {c}" for k, c in enumerate(FIVE, start=1)])).criteria == tuple(FIVE)
     objects = json.dumps({"criteria": [{"id": k, "criterion": c, "weight": 1} for k, c in enumerate(FIVE)]})
     assert parse_bundle("```json\n" + objects + "\n```").criteria == tuple(FIVE)
     assert parse_bundle(json.dumps({str(k): c for k, c in enumerate(FIVE)})).criteria == tuple(FIVE)
@@ -51,6 +52,7 @@ def test_cleaning_labels_emphasis_and_thinking():
         ("1. The agent looks in the fridge first.", 1, "1 criteria"),
         ("\n".join(f"{k}. The agent checks receptacle number {k} early." for k in range(1, 31)), 30, "30 criteria"),
         ("\n".join(f"{k}. {FIVE[0]}" for k in range(1, 9)), 1, "1 criteria"),  # duplicates collapse
+        (json.dumps([f"{k}. {FIVE[0]}" for k in range(1, 9)]), 1, "1 criteria"),  # also when JSON items are numbered
         ("\n".join(f"{k}. {c.upper()}!" for k, c in enumerate(FIVE + FIVE[:2], 1)), 5, ""),  # case/punct duplicates
         ("1. ok\n2. yes\n3. no\n4. a b\n5. go", 0, "no list"),  # too short to be criteria
         ('{"criteria": "not a list"}', 0, "no list"),
@@ -171,5 +173,6 @@ def test_real_outputs_of_the_embedded_model():
     assert parsed[3].criteria[0] == "The 4 tasks share an action, set in a time and place that changes in a process."
     assert "7. The agent" in recorded[3] and not any(c == "The agent" for c in parsed[3].criteria)  # cut off: 2 words
     assert len(recorded[1].splitlines()) == 3 and parsed[1].criteria[1].startswith("Step 4:")  # the 70-word item is dropped
-    assert parsed[2].criteria == ("4. The agent turns on the object held by the agent instead of question-pausing.",)
+    # "1. 4. The agent ...": both numbers are list markers.
+    assert parsed[2].criteria == ("The agent turns on the object held by the agent instead of question-pausing.",)
     assert parsed[7].reason == "no list of criteria found"  # markup, no list

@@ -4,7 +4,7 @@ Accepted shapes: a JSON array (of strings, or of objects with a ``criterion``/``
 ``description`` string), a JSON object holding such an array or mapping numbers to strings,
 or a numbered or bulleted list
 (``1.``, ``1)``, ``(1)``, ``-``, ``*``, ``•``). A ``<think>`` block is ignored. Items are cleaned
-(markdown emphasis, ``Criterion 3:`` labels, whitespace), items of fewer than 3 words or more
+(list markers inside JSON strings, markdown emphasis, ``Criterion 3:`` labels, whitespace), items of fewer than 3 words or more
 than 60 are dropped, and duplicates (same words ignoring case and punctuation) are kept once.
 A bundle is valid with 5 to 8 criteria after cleaning; otherwise it is rejected with a reason.
 """
@@ -17,7 +17,8 @@ import re
 
 MIN_CRITERIA, MAX_CRITERIA = 5, 8
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.S | re.I)
-_ITEM = re.compile(r"^\s*(?:\d{1,2}\s*[.):]|\(\d{1,2}\)|[-*\u2022])\s+(.+?)\s*$")
+_MARKER = re.compile(r"^\s*(?:\d{1,2}\s*[.):]|\(\d{1,2}\)|[-*\u2022])\s+")
+_ITEM = re.compile(_MARKER.pattern + r"(.+?)\s*$")
 _LABEL = re.compile(r"^(?:criterion|criteria|rubric)\s*\d*\s*[:.)-]\s*", re.I)
 _EMPHASIS = re.compile(r"[*_`]{1,3}")
 _TEXT_KEYS = ("criterion", "text", "description", "content", "name")
@@ -59,7 +60,8 @@ def _json_items(text: str) -> list[str] | None:
 
 def _clean(item: str) -> str:
     item = _EMPHASIS.sub("", item)
-    item = _LABEL.sub("", item.strip())
+    # JSON items can carry their own numbering ("1. ...", "2. ..."): without it, duplicates collapse.
+    item = _LABEL.sub("", _MARKER.sub("", item.strip()))
     return " ".join(item.split()).strip(" \"'")
 
 
