@@ -4,7 +4,7 @@ Accepted shapes: a JSON array (of strings, or of objects with a ``criterion``/``
 ``description`` string), a JSON object holding such an array or mapping numbers to strings,
 or a numbered or bulleted list
 (``1.``, ``1)``, ``(1)``, ``-``, ``*``, ``•``). A ``<think>`` block is ignored. Items are cleaned
-(list markers inside JSON strings, markdown emphasis, ``Criterion 3:`` labels, whitespace),
+(list markers, also inside JSON strings; markdown emphasis; ``Criterion 3:`` labels; whitespace),
 items of fewer than 3 words or more than 60 are dropped, and duplicates (same words ignoring case
 and punctuation) are kept once.
 A bundle is valid with 5 to 8 criteria after cleaning; otherwise it is rejected with a reason.
