@@ -59,10 +59,10 @@ def make_suite(config: TrainConfig) -> EnvSuite:
         from orsd_jax.envs import alfworld
 
         root = alfworld.default_games(e.difficulty, e.games_seed, e.train_games, e.eval_games)
-        train = alfworld.load_split(root, "train")
+        train, evaluation = (alfworld.load_split(root, split, e.task_types) for split in ("train", e.eval_split))
         return EnvSuite(
             "alfworld", functools.partial(alfworld.AlfworldEnv, max_steps=steps), alfworld.build_prompt,
-            tuple(train), tuple(alfworld.load_split(root, e.eval_split)),
+            tuple(train), tuple(evaluation),
         )
     from orsd_jax.envs import webshop
 

@@ -166,7 +166,7 @@ def _pad_rows(rows: Sequence[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
 
 # Part of the cache key, with the rubric prompt's version: bump it when the same settings would give
 # other demonstrations.
-DEMO_VERSION = 2
+DEMO_VERSION = 3  # 3: the first games of a split are of every type (load_split interleaves them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +178,7 @@ class WarmStartRun:
     games_seed: int = 0
     train_games: int = 200  # generated train split size (demonstrations use the first ``demo_games``)
     eval_games: int = 50  # generated valid_seen / valid_unseen sizes
+    task_types: tuple[str, ...] = ()  # ALFWorld task types demonstrated (empty: all)
     demo_games: int = 120
     max_detours: int = 2
     reasoning: bool = False
@@ -203,7 +204,7 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
     model, tokenizer = load_model(run.model, frozen_layers=run.frozen_layers)
     fmt = chat.chat_format(tokenizer)
     root = default_games(run.difficulty, run.games_seed, run.train_games, run.eval_games)
-    tasks = load_split(root, "train")[: run.demo_games]
+    tasks = load_split(root, "train", run.task_types)[: run.demo_games]
     env = AlfworldEnv(max_steps=run.rollout.max_steps)
     demos = walkthrough_demos(
         env, tasks, alfworld_walkthrough, run.rollout, build_prompt, tokenizer=tokenizer, fmt=fmt,

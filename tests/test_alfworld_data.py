@@ -10,7 +10,9 @@ from alfworld.agents.environment.alfred_tw_env import AlfredTWEnv
 
 from orsd_jax.envs.alfworld import EASY, SPLITS, GameDataError, default_games, generate_games, load_split
 from orsd_jax.envs.alfworld import data as data_module
-from orsd_jax.envs.alfworld.tasks import SHORT_NAMES
+from orsd_jax.envs.alfworld.data import interleave_types
+from orsd_jax.envs.alfworld.tasks import SHORT_NAMES, TASK_TYPES
+from orsd_jax.envs.base import Task
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +53,33 @@ def test_skips_what_the_official_loader_skips(root, tmp_path):
     (trials[5] / "game.tw-pddl").unlink()
 
     ours = load_split(work, "train")
-    assert [t.key for t in ours] == _official(split)
+    assert sorted(t.key for t in ours) == _official(split)
     assert len(ours) == len(trials) - 4
+
+
+def test_every_prefix_of_a_split_is_a_fair_sample_of_its_task_types():
+    counts = dict(zip(TASK_TYPES, (13, 12, 7, 6, 6, 6)))  # an easy split's mix
+    tasks = [Task("alfworld", f"games/{kind}-{i:02d}/game.tw-pddl", kind, "") for kind, n in counts.items() for i in range(n)]
+    order = interleave_types(tasks[::-1])
+    assert sorted(t.key for t in order) == sorted(t.key for t in tasks)
+    for kind in TASK_TYPES:  # each type in path order
+        keys = [t.key for t in order if t.task_type == kind]
+        assert keys == sorted(keys)
+    total = len(tasks)
+    for n in range(1, total + 1):
+        for kind, k in counts.items():
+            assert abs(sum(t.task_type == kind for t in order[:n]) - n * k / total) <= 1, (n, kind)
 
 
 def test_tasks_carry_type_and_sentence(root, monkeypatch):
     monkeypatch.chdir(root.parent)
     tasks = load_split(root.name, "train")  # a relative data root still gives absolute game paths
     assert all(Path(t.key).is_absolute() for t in tasks)
-    assert [t.key for t in tasks] == sorted(t.key for t in tasks)
+    assert [t.key for t in tasks] == [t.key for t in interleave_types(tasks)]
+    some = sorted({t.task_type for t in tasks})[:2]
+    assert [t.key for t in load_split(root.name, "train", some)] == [t.key for t in tasks if t.task_type in some]
+    with pytest.raises(ValueError, match="unknown ALFWorld task types"):
+        load_split(root.name, "train", ("pick", "juggle"))
     for task in tasks:
         traj = json.loads((Path(task.key).parent / "traj_data.json").read_text())
         assert task.env == "alfworld" and task.key.endswith("game.tw-pddl")

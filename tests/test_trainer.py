@@ -151,6 +151,13 @@ def test_loss_temperature_must_be_the_samplers():
         dataclasses.replace(config, loss=dataclasses.replace(config.loss, temperature=1.0))
 
 
+
+def test_task_types_are_alfworlds():
+    config = preset("tiny", "webshop")
+    with pytest.raises(ValueError, match="task_types selects ALFWorld task types"):
+        dataclasses.replace(config, env=dataclasses.replace(config.env, task_types=("pick",)))
+
+
 def test_step_advantages_fold_the_invalid_penalty():
     win = _traj([(0.0, True), (10.0, True)])
     lose = _traj([(0.0, False), (0.0, True)])

@@ -4,8 +4,13 @@ A data root holds ``json_2.1.1/{train,valid_seen,valid_unseen}`` (what ``alfworl
 in ``$ALFWORLD_DATA``, or what ``generate_games`` writes). ``load_split`` keeps a game when, as in
 ``AlfredTWEnv.collect_game_files``, its path has no ``movable`` or ``Sliced``, its
 ``traj_data.json`` names one of the six task types, and its ``game.tw-pddl`` says ``solvable``.
-Unlike the official loader (which walks in file-system order) the result is sorted by path, and
+Unlike the official loader (which walks in file-system order) the result has a fixed order, and
 the ``movable``/``Sliced`` test looks only below the split directory.
+
+The order interleaves the task types: paths sort by type first, so a sorted split's first games
+would all be ``look`` tasks, and every "first N games" (warm-start demonstrations, a short
+evaluation) would see one type. Interleaved, any prefix holds each type in about its share of
+the split.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from orsd_jax.envs.alfworld.difficulty import Difficulty, get_difficulty
 from orsd_jax.envs.alfworld.generation import GENERATOR_VERSION, SPLITS, generate_games
-from orsd_jax.envs.alfworld.tasks import SHORT_NAMES
+from orsd_jax.envs.alfworld.tasks import SHORT_NAMES, TASK_TYPES
 from orsd_jax.envs.base import Task
 
 SPLIT_ALIASES = {"eval_in_distribution": "valid_seen", "eval_out_of_distribution": "valid_unseen"}
@@ -69,8 +75,12 @@ def task_sentence(game: dict, path: Path) -> str:
     return match.group(1)
 
 
-def load_split(data_dir: str | os.PathLike, split: str) -> list[Task]:
-    """The playable games of a split, sorted by path (the order of a deterministic sweep)."""
+def load_split(data_dir: str | os.PathLike, split: str, task_types: Sequence[str] = ()) -> list[Task]:
+    """The playable games of a split (of ``task_types`` only, when given) in ``interleave_types``
+    order, that of a deterministic sweep."""
+    unknown = set(task_types) - set(TASK_TYPES)
+    if unknown:
+        raise ValueError(f"unknown ALFWorld task types {sorted(unknown)}; expected some of {TASK_TYPES}")
     path = split_dir(data_dir, split)
     tasks = []
     for root, _, files in os.walk(path):
@@ -85,11 +95,21 @@ def load_split(data_dir: str | os.PathLike, split: str) -> list[Task]:
         if task_type is None or not game_path.is_file():
             continue
         game = _read_json(game_path)
-        if game.get("solvable") is True:
+        if game.get("solvable") is True and (not task_types or task_type in task_types):
             tasks.append(Task("alfworld", str(game_path), task_type, task_sentence(game, game_path)))
     if not tasks:
         raise GameDataError(f"no playable ALFWorld games under {path}")
-    return sorted(tasks, key=lambda t: t.key)
+    return interleave_types(tasks)
+
+
+def interleave_types(tasks: list[Task]) -> list[Task]:
+    """``tasks`` sorted by path within each type, the types merged by position: a type's ``j``-th
+    of ``n`` games sits at ``(j + 1/2) / n`` of the way through (ties in ``TASK_TYPES`` order)."""
+    by_type: dict[str, list[Task]] = {}
+    for task in sorted(tasks, key=lambda t: t.key):
+        by_type.setdefault(task.task_type, []).append(task)
+    position = {t.key: ((j + 0.5) / len(ts), TASK_TYPES.index(kind)) for kind, ts in by_type.items() for j, t in enumerate(ts)}
+    return sorted(tasks, key=lambda t: (*position[t.key], t.key))
 
 
 def user_data_root() -> Path | None:
