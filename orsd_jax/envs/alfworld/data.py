@@ -98,11 +98,12 @@ def load_split(data_dir: str | os.PathLike, split: str, task_types: Sequence[str
         if game.get("solvable") is True and (not task_types or task_type in task_types):
             tasks.append(Task("alfworld", str(game_path), task_type, task_sentence(game, game_path)))
     if not tasks:
-        raise GameDataError(f"no playable ALFWorld games under {path}")
+        of_types = f" of types {', '.join(task_types)}" if task_types else ""
+        raise GameDataError(f"no playable ALFWorld games{of_types} under {path}")
     return interleave_types(tasks)
 
 
-def interleave_types(tasks: list[Task]) -> list[Task]:
+def interleave_types(tasks: Sequence[Task]) -> list[Task]:
     """``tasks`` sorted by path within each type, the types merged by position: a type's ``j``-th
     of ``n`` games sits at ``(j + 1/2) / n`` of the way through (ties in ``TASK_TYPES`` order)."""
     by_type: dict[str, list[Task]] = {}
