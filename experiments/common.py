@@ -13,6 +13,11 @@ from orsd_jax.metrics_log import console_logging
 from orsd_jax.rubrics.verify import DASHSCOPE, VerifierConfig
 
 
+def task_types(text: str) -> tuple[str, ...]:
+    """``--task-types pick,look`` -> ``("pick", "look")`` (names are checked where games load)."""
+    return tuple(t for t in text.split(",") if t)
+
+
 def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="cpu-demo" if env == "alfworld" else "tiny", choices=sorted(PRESETS))
@@ -36,7 +41,7 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--verifier-model", help="model name at that endpoint")
     p.add_argument("--verifier-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key")
     p.add_argument("--eval-games", type=int)
-    p.add_argument("--task-types", help="ALFWorld task types to play, comma-separated (pick,look,clean,heat,cool,pick2)")
+    p.add_argument("--task-types", type=task_types, help="ALFWorld task types to play, comma-separated (pick,look,clean,heat,cool,pick2)")
     p.add_argument("--seed", type=int)
     p.add_argument("--data-dir", help="WebShop data (default $WEBSHOP_DATA)")
     p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: end the process early
@@ -48,8 +53,7 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
     set_ = lambda obj, **kw: dataclasses.replace(obj, **{k: v for k, v in kw.items() if v is not None})  # noqa: E731
     c = set_(c, method=args.method, updates=args.updates, n_tasks=args.n_tasks, group_size=args.group_size,
              devices=args.devices, fsdp=args.fsdp, sampler=args.sampler, eval_games=args.eval_games, seed=args.seed)  # fmt: skip
-    task_types = tuple(args.task_types.split(",")) if args.task_types else None
-    c = set_(c, model=set_(c.model, name=args.model), env=set_(c.env, data_dir=args.data_dir, task_types=task_types))
+    c = set_(c, model=set_(c.model, name=args.model), env=set_(c.env, data_dir=args.data_dir, task_types=args.task_types))
     c = set_(c, rubric=set_(c.rubric, candidates=args.candidates), loss=set_(c.loss, coef=args.coef, clip=args.clip))
     c = set_(c, optimizer=set_(c.optimizer, learning_rate=args.lr))
     if args.model:  # an explicit initial policy replaces the preset's warm start

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import pathlib
 
+from experiments.common import task_types
 from orsd_jax.config import PRESETS, preset
 
 
@@ -58,16 +59,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", default="cpu-demo", choices=sorted(PRESETS))
     p.add_argument("--split", help="ALFWorld: valid_seen or valid_unseen; WebShop: test (default: the preset's)")
     p.add_argument("--games", type=int, help="tasks to evaluate (default: the preset's eval_games)")
-    p.add_argument("--task-types", help="ALFWorld task types, comma-separated (default: the preset's)")
+    p.add_argument("--task-types", type=task_types, help="ALFWorld task types, comma-separated (default: the preset's)")
     p.add_argument("--temperature", type=float, help="default: the preset's eval temperature")
     p.add_argument("--sampler", default="vllm", choices=["vllm", "jax"])
     p.add_argument("--data-dir", help="WebShop data (default $WEBSHOP_DATA)")
     p.add_argument("--out", default="runs/eval", help="output directory")
     args = p.parse_args(argv)  # before any game loads: the planner overwrites sys.argv
     config = preset(args.preset, args.env)
-    task_types = tuple(args.task_types.split(",")) if args.task_types else config.env.task_types
     env = dataclasses.replace(config.env, eval_split=args.split or config.env.eval_split,
-                              data_dir=args.data_dir or config.env.data_dir, task_types=task_types)  # fmt: skip
+                              data_dir=args.data_dir or config.env.data_dir,
+                              task_types=args.task_types or config.env.task_types)  # fmt: skip
     config = dataclasses.replace(config, env=env)
     from orsd_jax.models import resolve
     from orsd_jax.trainer import make_suite

@@ -16,6 +16,7 @@ import json
 import pathlib
 import time
 
+from experiments.common import task_types
 from orsd_jax.rollout import RolloutConfig
 from orsd_jax.warmstart import WarmStartConfig, WarmStartRun, run_warmstart
 from orsd_jax.train_step import OptimizerConfig
@@ -29,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--difficulty", default="easy", choices=["easy", "standard", "hard"])
     p.add_argument("--games-seed", type=int, default=0)
     p.add_argument("--demo-games", type=int, default=120, help="train games to demonstrate")
-    p.add_argument("--task-types", default="", help="task types to demonstrate and evaluate, comma-separated (default: all)")
+    p.add_argument("--task-types", type=task_types, default=(), help="task types to demonstrate and evaluate, comma-separated (default: all)")
     p.add_argument("--max-detours", type=int, default=2, help="random visits before the plan (exploration)")
     p.add_argument("--reasoning", action="store_true", help="a reasoning sentence in <think> (default: empty)")
     p.add_argument("--frozen-layers", type=int, default=0, help="train only the layers above this many")
@@ -47,13 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)  # before any game loads: the planner overwrites sys.argv
     rollout = RolloutConfig(max_steps=args.max_steps, max_prompt_tokens=args.max_prompt_tokens)
-    task_types = tuple(t for t in args.task_types.split(",") if t)
     run = WarmStartRun(
         model=args.model,
         difficulty=args.difficulty,
         games_seed=args.games_seed,
         demo_games=args.demo_games,
-        task_types=task_types,
+        task_types=args.task_types,
         max_detours=args.max_detours,
         reasoning=args.reasoning,
         frozen_layers=args.frozen_layers,
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         from orsd_jax.trainer import EnvSuite
 
         root = default_games(run.difficulty, run.games_seed, run.train_games, run.eval_games)
-        tasks = load_split(root, "valid_seen", task_types)[: args.eval_games]
+        tasks = load_split(root, "valid_seen", args.task_types)[: args.eval_games]
         eval_rollout = dataclasses.replace(rollout, temperature=args.eval_temperature)
         suite = EnvSuite("alfworld", functools.partial(AlfworldEnv, max_steps=rollout.max_steps), build_prompt, (), tuple(tasks))
         summary = evaluate_policy(policy, suite, tasks, eval_rollout, out, args.sampler, "warm start")
