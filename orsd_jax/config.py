@@ -106,6 +106,8 @@ class TrainConfig:
             raise ValueError("task_types selects ALFWorld task types; other environments have none")
         if self.group_size < 2:
             raise ValueError("group_size must be at least 2: advantages compare trajectories of a group")
+        if self.rubric.constrained and self.sampler != "vllm":
+            raise ValueError("rubric.constrained samples under a grammar, which only the vLLM sampler does")
         if self.loss.temperature != self.rollout.temperature:
             # The ratio compares the policy's log-probs with the sampler's, both of the tempered distribution.
             raise ValueError(f"loss.temperature {self.loss.temperature} must equal rollout.temperature {self.rollout.temperature}")
@@ -154,8 +156,10 @@ def from_json(text: str) -> TrainConfig:
 # Presets.
 
 _EASY_ROLLOUT = RolloutConfig(max_steps=8, max_prompt_tokens=1024, max_response_tokens=48)
-# A 135M writer at temperature 1 rambles past the numbered list more often than not.
-_CPU_RUBRIC = RubricConfig(candidates=4, trajectory_budget_tokens=160, max_new_tokens=160, temperature=0.7)
+# A 135M writer rambles and miscounts: it samples under the list grammar, with lines short enough
+# for five of them to fit in 160 tokens.
+_CPU_RUBRIC = RubricConfig(candidates=4, trajectory_budget_tokens=160, max_new_tokens=160, temperature=0.7,
+                           constrained=True, criterion_chars=80)  # fmt: skip
 # On held-out look games the warm-started policy answers validly in 75% of steps at temperature 0.7, 41% at 1.0.
 _CPU_TEMPERATURE = 0.7
 # One type: demonstrations of 24 look games teach the 135M model to win some look games (3 of 13 at
@@ -172,7 +176,6 @@ _CPU_WARMSTART = WarmStartRun(
     # often (README, "The warm start"); RL then trains the top 4.
     frozen_layers=22,
     rollout=_EASY_ROLLOUT,
-    rubric=_CPU_RUBRIC,
     train=WarmStartConfig(epochs=1, batch_size=16, optimizer=OptimizerConfig(learning_rate=5e-4, weight_decay=0.0)),
 )
 

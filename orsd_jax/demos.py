@@ -22,8 +22,7 @@ from typing import Callable, Iterable, Sequence
 
 from orsd_jax import chat
 from orsd_jax.envs.base import EnvStep, Task, TextEnv
-from orsd_jax.rollout import PromptBuilder, RolloutConfig, Step, Trajectory, fit_prompt
-from orsd_jax.rubrics.generate import RubricConfig, group_prompt
+from orsd_jax.rollout import PromptBuilder, RolloutConfig, fit_prompt
 
 _REASONS = [
     (re.compile(r"go to (.+)"), "I go to the {0} to look for what the task needs or to use it."),
@@ -115,72 +114,6 @@ def walkthrough_demos(
             answer = demo_answer(task.description, command, reasoning)
             demos.append(Demonstration(task.key, step, text, tuple(ids), answer, tuple(chat.encode(tokenizer, answer) + end)))
     return demos
-
-
-# Rubric writing. A 135M model writes no usable rubric untrained, so the CPU warm start also shows
-# it the rubric format: for a group of attempts at a game (the plan, the plan after detours, a
-# wander, half the plan then a wander), a list of process criteria read off the planner's plan.
-
-_CRITERIA = [
-    (re.compile(r"take (.+) from (.+)"), "The agent takes the {0} from the {1}."),
-    (re.compile(r"(heat|cool|clean) (.+) with (.+)"), "The agent uses the {2} to {0} the {1} before putting it anywhere."),
-    (re.compile(r"use (.+)"), "The agent turns on the {0} while holding the object."),
-    (re.compile(r"move (.+) to (.+)"), "The agent puts the {0} in or on the {1}."),
-]
-_HABITS = (
-    "The agent only chooses actions from the admissible list.",
-    "The agent goes to places that can hold the object instead of wandering.",
-    "The agent does not repeat an action that changed nothing.",
-    "The agent does not pick up objects the task does not mention.",
-)
-
-
-def plan_criteria(plan: Sequence[str]) -> tuple[str, ...]:
-    """Seven process criteria: the plan's key actions in order (up to five), then general habits."""
-    found = []
-    for command in plan:
-        for pattern, template in _CRITERIA:
-            if (m := pattern.fullmatch(command)) and (c := template.format(*m.groups())) not in found:
-                found.append(c)
-    found = found[:5]
-    return (*found, *_HABITS[: 7 - len(found)])
-
-
-def rubric_demo(
-    env: TextEnv,
-    task: Task,
-    plan: Sequence[str],
-    rollout: RolloutConfig,
-    rubric: RubricConfig,
-    build_prompt: PromptBuilder,
-    *,
-    tokenizer,
-    fmt: chat.ChatFormat,
-    rng: random.Random,
-) -> Demonstration:
-    """The rubric writer's prompt for four attempts at ``task`` (as ``generate_bundles`` builds it)
-    and the plan's criteria as a numbered list."""
-
-    def wander(first: EnvStep, n: int) -> list[str]:
-        places = [a for a in first.admissible_actions if a.startswith("go to ")]
-        return [rng.choice(places) for _ in range(n)]
-
-    variants = [
-        lambda first: list(plan),
-        lambda first: with_detours(plan, first, rng, 2),
-        lambda first: wander(first, len(plan)),
-        lambda first: list(plan[: len(plan) // 2]) + wander(first, len(plan) - len(plan) // 2),
-    ]
-    attempts = []
-    for actions in variants:
-        records = record_episode(env, task, actions, rollout, build_prompt, tokenizer=tokenizer, fmt=fmt)
-        steps = tuple(Step(text, tuple(ids), (), (), "", observation, action, True, 0.0, False, 0)
-                      for text, ids, action, observation in records)  # fmt: skip
-        attempts.append(Trajectory(task, steps, won=False, score=0.0))  # outcomes are never shown
-    ids = group_prompt(task, attempts, rubric, tokenizer=tokenizer, fmt=fmt)
-    answer = "\n".join(f"{k}. {c}" for k, c in enumerate(plan_criteria(plan), start=1))
-    text = tokenizer.decode(ids)
-    return Demonstration(task.key, -1, text, tuple(ids), answer, tuple(chat.encode(tokenizer, answer) + [fmt.stop_token_ids[0]]))
 
 
 def alfworld_walkthrough(task: Task) -> list[str]:

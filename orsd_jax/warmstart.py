@@ -29,12 +29,11 @@ from flax import nnx
 
 from orsd_jax import chat
 from orsd_jax.batch import PAD, Batch, StepSample, build_batch, tree_attention_mask
-from orsd_jax.demos import Demonstration, alfworld_walkthrough, rubric_demo, walkthrough_demos, write_jsonl
+from orsd_jax.demos import Demonstration, alfworld_walkthrough, walkthrough_demos, write_jsonl
 from orsd_jax.loss import response_logprobs
 from orsd_jax.metrics_log import console_logging
 from orsd_jax.models import CausalLM, cache_dir, load_model, save_hf
 from orsd_jax.rollout import RolloutConfig
-from orsd_jax.rubrics.generate import RUBRIC_PROMPT_VERSION, RubricConfig
 from orsd_jax.train_step import OptimizerConfig, init_train_state, make_mesh, make_optimizer, make_train_step
 
 
@@ -107,7 +106,7 @@ def finetune(
     rng = random.Random(config.seed)
     updates = 0
     for epoch in range(config.epochs):
-        for indices in kind_batches([d.step < 0 for d in demos], config.batch_size, rng):
+        for indices in shuffled_batches(len(samples), config.batch_size, rng):
             started = time.perf_counter()
             batch = build_batch([samples[i] for i in indices], batch_multiple=multiple)
             if frozen is not None:
@@ -119,17 +118,12 @@ def finetune(
     return nnx.merge(graphdef, state.params)
 
 
-def kind_batches(kinds: Sequence[bool], batch_size: int, rng: random.Random) -> list[list[int]]:
-    """Indices in shuffled batches, each of one kind (rubric demonstrations have prompts twice as
-    long: batched apart, they pad no action rows), in random order. Not sorted by length: that
-    would batch the first steps of every episode together, the late steps together."""
-    batches = []
-    for kind in sorted(set(kinds)):
-        order = [i for i, k in enumerate(kinds) if k == kind]
-        rng.shuffle(order)
-        batches += [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
-    rng.shuffle(batches)
-    return batches
+def shuffled_batches(n: int, batch_size: int, rng: random.Random) -> list[list[int]]:
+    """``range(n)`` shuffled, in batches of ``batch_size`` (the last may be short). Not sorted by
+    length: that would batch the first steps of every episode together, the late steps together."""
+    order = list(range(n))
+    rng.shuffle(order)
+    return [order[s : s + batch_size] for s in range(0, n, batch_size)]
 
 
 def frozen_states(graphdef, params, samples: Sequence[StepSample], batch_size: int, multiple: int) -> list[np.ndarray]:
@@ -164,9 +158,10 @@ def _pad_rows(rows: Sequence[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
     return out
 
 
-# Part of the cache key, with the rubric prompt's version: bump it when the same settings would give
-# other demonstrations.
-DEMO_VERSION = 3  # 3: the first games of a split are of every type (load_split interleaves them)
+# Part of the cache key: bump it when the same settings would give other demonstrations or batches.
+# 3: the first games of a split are of every type (load_split interleaves them); 4: no rubric
+# demonstrations, so batches are one shuffle of all demonstrations.
+DEMO_VERSION = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,12 +179,10 @@ class WarmStartRun:
     reasoning: bool = False
     frozen_layers: int = 0
     rollout: RolloutConfig = RolloutConfig()
-    rubric: RubricConfig | None = None  # also one rubric-writing demonstration per demo game
     train: WarmStartConfig = WarmStartConfig()
 
     def key(self) -> str:
-        versions = {"version": DEMO_VERSION, "rubric_prompt": RUBRIC_PROMPT_VERSION}
-        text = json.dumps({**versions, **dataclasses.asdict(self)}, sort_keys=True, default=str)
+        text = json.dumps({"version": DEMO_VERSION, **dataclasses.asdict(self)}, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -210,11 +203,6 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
         env, tasks, alfworld_walkthrough, run.rollout, build_prompt, tokenizer=tokenizer, fmt=fmt,
         reasoning=run.reasoning, max_detours=run.max_detours, seed=run.games_seed,
     )
-    if run.rubric is not None:
-        rng = random.Random(f"{run.games_seed}/rubrics")
-        for task in tasks:
-            demos.append(rubric_demo(env, task, alfworld_walkthrough(task), run.rollout, run.rubric, build_prompt,
-                                     tokenizer=tokenizer, fmt=fmt, rng=rng))  # fmt: skip
     env.close()
     write_jsonl(demos, out / "demos.jsonl")
     demo_seconds = time.perf_counter() - started

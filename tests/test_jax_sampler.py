@@ -140,6 +140,7 @@ def test_context_limit_clamps_new_tokens(tiny):
         ([[1]], SamplingParams(top_k=0), "top_k"),
         ([[1]], SamplingParams(max_new_tokens=0), "max_new_tokens"),
         ([[1]], SamplingParams(n=0), "n must"),
+        ([[1]], SamplingParams(regex="1\\. .+"), "needs the vLLM sampler"),
     ],
 )
 def test_bad_requests(tiny, prompts, params, message):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from orsd_jax.envs.base import Task
 from orsd_jax.rollout import Step, Trajectory
-from orsd_jax.rubrics import average_ranks, parse_bundle, rubric_insert, select_bundle, spearman
+from orsd_jax.rubrics import average_ranks, bundle_regex, parse_bundle, rubric_insert, select_bundle, spearman
 from orsd_jax.rubrics.generate import rubric_prompt
 from orsd_jax.rubrics.render import render_group, render_trajectory
 
@@ -64,6 +65,23 @@ def test_adversarial_text_never_raises(text, n_found, reason):
     bundle = parse_bundle(text)
     assert len(bundle.criteria) == n_found
     assert reason in bundle.reason and bundle.valid == (reason == "")
+
+
+@given(st.lists(st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=160), min_size=3, max_size=10))
+@settings(max_examples=300, deadline=None)
+def test_the_bundle_grammar_admits_exactly_what_parses_line_by_line(items):
+    """Whatever a constrained writer can finish parses to its own lines; outside 5-8 lines, or with
+    a line of the wrong length or numbering, the grammar does not match (an independent check)."""
+    text = "".join(f"{k}. {item}\n" for k, item in enumerate(items, start=1))
+    lines_ok = all(10 <= len(item) <= 150 and not item[0].isspace() and "\n" not in item for item in items)
+    matches = re.fullmatch(bundle_regex(), text) is not None
+    assert matches == (5 <= len(items) <= 8 and lines_ok)
+    if matches:
+        bundle = parse_bundle(text)
+        # The parser may still drop short or duplicate lines, and it trims what it cleans; it adds nothing.
+        assert len(bundle.criteria) <= len(items)
+        assert all(any(c in " ".join(item.split()) for item in items) for c in bundle.criteria)
+    assert re.fullmatch(bundle_regex(), text.replace("\n2. ", "\n3. ", 1)) is None  # out of order
 
 
 def test_rubric_insert_lists_the_criteria():

@@ -152,6 +152,13 @@ def test_loss_temperature_must_be_the_samplers():
 
 
 
+def test_constrained_rubrics_need_vllm():
+    config = preset("cpu-demo")
+    assert config.rubric.constrained and config.sampler == "vllm"
+    with pytest.raises(ValueError, match="only the vLLM sampler"):
+        dataclasses.replace(config, sampler="jax")
+
+
 def test_task_types_are_alfworlds():
     config = preset("tiny", "webshop")
     with pytest.raises(ValueError, match="task_types selects ALFWorld task types"):

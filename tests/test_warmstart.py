@@ -1,5 +1,4 @@
-"""Warm start: demonstrations see exactly the RL prompts, the loss counts answer tokens only, and
-rubric-writing demonstrations use the rubric writer's own prompt."""
+"""Warm start: demonstrations see exactly the RL prompts, and the loss counts answer tokens only."""
 
 import dataclasses
 import functools
@@ -16,14 +15,13 @@ from transformers import AutoTokenizer
 
 from orsd_jax import chat
 from orsd_jax.batch import build_batch
-from orsd_jax.demos import alfworld_walkthrough, plan_criteria, record_episode, rubric_demo, walkthrough_demos
+from orsd_jax.demos import alfworld_walkthrough, record_episode, walkthrough_demos
 from orsd_jax.envs import EnvPool
 from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
 from orsd_jax.models import EMBEDDED, CausalLM, ModelConfig, resolve
 from orsd_jax.rollout import RolloutConfig, collect_groups
-from orsd_jax.rubrics import RubricConfig, parse_bundle
 from orsd_jax.sampling.jax_sampler import JaxSampler
-from orsd_jax.warmstart import SupervisedLoss, _pad_rows, demo_sample, frozen_states, kind_batches
+from orsd_jax.warmstart import SupervisedLoss, _pad_rows, demo_sample, frozen_states, shuffled_batches
 
 ROLLOUT = RolloutConfig(max_steps=4, max_prompt_tokens=1024, max_response_tokens=24, history_length=2)
 
@@ -79,37 +77,6 @@ def test_demonstrations_do_not_depend_on_where_the_games_are(setup, tmp_path):
     finally:
         env.close()
     assert [(d.step, d.prompt_ids, d.answer) for d in a] == [(d.step, d.prompt_ids, d.answer) for d in b]
-
-
-def test_rubric_demonstration_uses_the_writers_prompt(setup):
-    tokenizer, fmt, _, tasks = setup
-    rubric = RubricConfig(trajectory_budget_tokens=160, max_new_tokens=160)
-    env = AlfworldEnv(max_steps=8)
-    try:
-        plan = alfworld_walkthrough(tasks[0])
-        demo = rubric_demo(env, tasks[0], plan, ROLLOUT, rubric, build_prompt, tokenizer=tokenizer, fmt=fmt,
-                           rng=random.Random(0))  # fmt: skip
-    finally:
-        env.close()
-    parsed = parse_bundle(demo.answer)
-    assert parsed.valid and parsed.criteria == plan_criteria(plan)  # the target is a valid bundle
-    assert demo.answer_ids[-1] == fmt.stop_token_ids[0] and len(demo.answer_ids) < rubric.max_new_tokens
-    assert demo.prompt_ids[-len(fmt.tail):] == fmt.tail and demo.step == -1
-    assert f"Task: {tasks[0].description}" in demo.user_text and "Attempt 4" in demo.user_text
-
-
-def test_plan_criteria():
-    plan = ["go to countertop 1", "take apple 1 from countertop 1", "go to microwave 1", "heat apple 1 with microwave 1",
-            "go to diningtable 1", "move apple 1 to diningtable 1"]  # fmt: skip
-    assert plan_criteria(plan) == (
-        "The agent takes the apple 1 from the countertop 1.",
-        "The agent uses the microwave 1 to heat the apple 1 before putting it anywhere.",
-        "The agent puts the apple 1 in or on the diningtable 1.",
-        "The agent only chooses actions from the admissible list.",
-        "The agent goes to places that can hold the object instead of wandering.",
-        "The agent does not repeat an action that changed nothing.",
-        "The agent does not pick up objects the task does not mention.",
-    )
 
 
 def test_supervised_loss_counts_answer_tokens_only(setup):
@@ -175,12 +142,10 @@ def test_frozen_states_computed_once_give_the_same_loss_and_gradients(setup):
     assert all(float(jnp.abs(g[0]).max()) == 0 for g in jax.tree.leaves(layer_grads))  # the frozen layer
 
 
-def test_kind_batches_cover_every_index_once_and_never_mix_kinds():
+def test_shuffled_batches_cover_every_index_once():
     rng = random.Random(0)
-    kinds = [rng.random() < 0.2 for _ in range(53)]
-    first, second = kind_batches(kinds, 8, rng), kind_batches(kinds, 8, rng)
+    first, second = shuffled_batches(53, 8, rng), shuffled_batches(53, 8, rng)
     for batches in (first, second):
         assert sorted(i for b in batches for i in b) == list(range(53))
-        assert all(len({kinds[i] for i in b}) == 1 and len(b) <= 8 for b in batches)
-        assert sum(len(b) < 8 for b in batches) <= 2  # one short batch per kind at most
+        assert [len(b) for b in batches] == [8] * 6 + [5]
     assert first != second

@@ -9,9 +9,9 @@ import numpy as np
 
 from orsd_jax.rollout import Group
 from orsd_jax.rubrics.generate import (
-    RUBRIC_PROMPT_VERSION, RubricConfig, generate_bundles, group_prompt, rubric_insert, rubric_prompt,
+    RubricConfig, generate_bundles, group_prompt, rubric_insert, rubric_prompt,
 )
-from orsd_jax.rubrics.parse import MAX_CRITERIA, MIN_CRITERIA, ParsedBundle, parse_bundle
+from orsd_jax.rubrics.parse import MAX_CRITERIA, MIN_CRITERIA, ParsedBundle, bundle_regex, parse_bundle
 from orsd_jax.rubrics.select import MODES, Selection, average_ranks, select_bundle, spearman
 from orsd_jax.rubrics.verify import DASHSCOPE, LocalModelVerifier, OpenAIVerifier, Verifier, VerifierConfig, VerifierStats
 
@@ -79,7 +79,6 @@ __all__ = [
     "MAX_CRITERIA",
     "MIN_CRITERIA",
     "MODES",
-    "RUBRIC_PROMPT_VERSION",
     "GroupRubric",
     "LocalModelVerifier",
     "OpenAIVerifier",
@@ -90,6 +89,7 @@ __all__ = [
     "VerifierConfig",
     "VerifierStats",
     "average_ranks",
+    "bundle_regex",
     "generate_bundles",
     "group_prompt",
     "parse_bundle",

@@ -1,9 +1,10 @@
 """Online rubric writing by the current policy, and the rubric the policy then reads.
 
 The policy sees the task and its group's ``G`` trajectories (no rewards, see ``render``) and is
-sampled ``K`` times for a list of 5-8 process criteria. One sampler call serves every group.
+sampled ``K`` times for a list of 5-8 process criteria, freely or under the list's grammar
+(``RubricConfig.constrained``). One sampler call serves every group.
 The chosen bundle goes back into each step prompt as ``rubric_insert`` text at the end of the
-user turn (see ``orsd_jax.chat``). Both texts are versioned: change a word, bump the version.
+user turn (see ``orsd_jax.chat``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ from typing import Sequence
 from orsd_jax import chat
 from orsd_jax.envs.base import Task
 from orsd_jax.rollout import Group, Trajectory
-from orsd_jax.rubrics.parse import ParsedBundle, parse_bundle
+from orsd_jax.rubrics.parse import ParsedBundle, bundle_regex, parse_bundle
 from orsd_jax.rubrics.render import render_group
 from orsd_jax.sampling.base import Sampler, SamplingParams
-
-RUBRIC_PROMPT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +28,11 @@ class RubricConfig:
     max_new_tokens: int = 400
     temperature: float = 1.0
     top_p: float = 1.0
+    # Sample under the numbered-list grammar (``bundle_regex``; vLLM sampler only), lines of at most
+    # ``criterion_chars``. Free, small writers stop after 2-4 items or ramble past 8; constrained,
+    # long lines can still use up ``max_new_tokens`` before the fifth (README, "The cpu-demo run").
+    constrained: bool = False
+    criterion_chars: int = 150
 
 
 def rubric_prompt(task: str, attempts: str, n_attempts: int) -> str:
@@ -88,6 +92,7 @@ def generate_bundles(
         stop_token_ids=fmt.stop_token_ids,
         seed=seed,
         n=config.candidates,
+        regex=bundle_regex(config.criterion_chars) if config.constrained else None,
     )
     completions = sampler.generate(prompts, params)
     k = config.candidates

@@ -70,6 +70,19 @@ def _key(item: str) -> str:
     return " ".join(re.sub(r"[^a-z0-9 ]+", " ", item.lower()).split())
 
 
+def bundle_regex(max_chars: int = 150) -> str:
+    """The grammar a constrained writer samples under (``RubricConfig.constrained``): lines ``1. `` to
+    ``5. `` at least, ``8. `` at most, numbered in order, each a criterion of 10 to ``max_chars``
+    characters ending in a newline. Whatever matches parses to those lines (``parse_bundle``), so a
+    constrained bundle fails only on its content (duplicates, items under 3 words) or by running out
+    of tokens before its fifth line."""
+    item = rf"\S[^\n]{{9,{max_chars - 1}}}\n"
+    optional = ""
+    for k in range(MAX_CRITERIA, MIN_CRITERIA, -1):
+        optional = f"({k}\\. {item}{optional})?"
+    return "".join(f"{k}\\. {item}" for k in range(1, MIN_CRITERIA + 1)) + optional
+
+
 def parse_bundle(text: str) -> ParsedBundle:
     if not isinstance(text, str) or not text.strip():
         return ParsedBundle((), "empty output")

@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these
     seed: int | None = None
     n: int = 1  # samples per prompt
+    regex: str | None = None  # the text must match this (vLLM structured outputs; JaxSampler refuses it)
 
     def validate(self) -> None:
         if self.temperature < 0:

@@ -84,6 +84,8 @@ class JaxSampler:
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         validate_prompts(prompt_token_ids, self.max_model_len, params)
+        if params.regex is not None:
+            raise SamplingError("JaxSampler samples without constraints; a regex needs the vLLM sampler")
         if params.seed is not None:
             key = jax.random.key(params.seed)
         else:

@@ -91,7 +91,8 @@ class VLLMSampler:
         ]
 
     def _request(self, prompt: list[int], params: SamplingParams, index: int) -> dict:
-        return {
+        constrained = {} if params.regex is None else {"structured_outputs": {"regex": params.regex}}
+        return constrained | {
             "model": self.server.served_model_name,
             "prompt": prompt,
             "max_tokens": min(params.max_new_tokens, self.max_model_len - len(prompt)),
