@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from orsd_jax.envs.base import Task
 from orsd_jax.rollout import Step, Trajectory
 from orsd_jax.rubrics import average_ranks, bundle_regex, parse_bundle, rubric_insert, select_bundle, spearman
-from orsd_jax.rubrics.generate import rubric_prompt
+from orsd_jax.rubrics.generate import RubricConfig, rubric_prompt
 from orsd_jax.rubrics.render import render_group, render_trajectory
 
 FIVE = [
@@ -82,6 +82,11 @@ def test_the_bundle_grammar_admits_exactly_what_parses_line_by_line(items):
         assert len(bundle.criteria) <= len(items)
         assert all(any(c in " ".join(item.split()) for item in items) for c in bundle.criteria)
     assert re.fullmatch(bundle_regex(), text.replace("\n2. ", "\n3. ", 1)) is None  # out of order
+
+
+def test_a_grammar_line_holds_a_criterion():
+    with pytest.raises(ValueError, match="at least 10 characters"):
+        RubricConfig(constrained=True, criterion_chars=5)
 
 
 def test_rubric_insert_lists_the_criteria():

@@ -34,6 +34,10 @@ class RubricConfig:
     constrained: bool = False
     criterion_chars: int = 150
 
+    def __post_init__(self):
+        if self.constrained:
+            bundle_regex(self.criterion_chars)  # refuses a line length no criterion fits
+
 
 def rubric_prompt(task: str, attempts: str, n_attempts: int) -> str:
     return (

@@ -73,9 +73,11 @@ def _key(item: str) -> str:
 def bundle_regex(max_chars: int = 150) -> str:
     """The grammar a constrained writer samples under (``RubricConfig.constrained``): lines ``1. `` to
     ``5. `` at least, ``8. `` at most, numbered in order, each a criterion of 10 to ``max_chars``
-    characters ending in a newline. Whatever matches parses to those lines (``parse_bundle``), so a
-    constrained bundle fails only on its content (duplicates, items under 3 words) or by running out
-    of tokens before its fifth line."""
+    characters ending in a newline. ``parse_bundle`` reads such a text as its lines (unless a line
+    holds a JSON list, which it reads first), so a constrained bundle fails on its content
+    (duplicates, items under 3 words) or by running out of tokens before its fifth line."""
+    if max_chars < 10:
+        raise ValueError(f"criteria need at least 10 characters, got max_chars={max_chars}")
     item = rf"\S[^\n]{{9,{max_chars - 1}}}\n"
     optional = ""
     for k in range(MAX_CRITERIA, MIN_CRITERIA, -1):
