@@ -160,7 +160,7 @@ _EASY_ROLLOUT = RolloutConfig(max_steps=8, max_prompt_tokens=1024, max_response_
 # for five of them to fit in 160 tokens.
 _CPU_RUBRIC = RubricConfig(candidates=4, trajectory_budget_tokens=160, max_new_tokens=160, temperature=0.7,
                            constrained=True, criterion_chars=80)  # fmt: skip
-# On held-out look games the warm-started policy answers validly in 75% of steps at temperature 0.7, 41% at 1.0.
+# On held-out look games the previous build's warm start answered validly in 75% of steps at 0.7, 41% at 1.0.
 _CPU_TEMPERATURE = 0.7
 # One type: demonstrations of 24 look games teach the 135M model to win some look games (3 of 13 at
 # temperature 0.4); 12 pick and 12 look games taught it to win none of either (README).

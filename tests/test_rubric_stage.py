@@ -17,15 +17,14 @@ from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, loa
 from orsd_jax.models import EMBEDDED, resolve
 from orsd_jax.rollout import RolloutConfig, collect_groups
 from orsd_jax.rubrics import (
-    OpenAIVerifier, ParsedBundle, RubricConfig, VerifierConfig, bundle_regex, generate_bundles, group_prompt, verify_and_select,
+    OpenAIVerifier, ParsedBundle, RubricConfig, VerifierConfig, bundle_regex, generate_bundles, verify_and_select,
 )
-from orsd_jax.sampling.base import SamplingParams
 from orsd_jax.sampling.vllm_sampler import VLLMSampler
 from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
 
 TASKS, G = 2, 4
 ROLLOUT = RolloutConfig(max_steps=4, max_prompt_tokens=1024, max_response_tokens=48)
-RUBRIC = RubricConfig(candidates=3, trajectory_budget_tokens=120, max_new_tokens=200, constrained=True)
+RUBRIC = RubricConfig(candidates=3, trajectory_budget_tokens=120, max_new_tokens=200, constrained=True, criterion_chars=80)
 # Written by hand and verified beside the model's own bundles, so the verifier always has work
 # even when the untrained model writes no parseable bundle.
 HAND = ParsedBundle((
@@ -61,14 +60,20 @@ def test_groups_bundles_satisfaction_and_selection(server, tmp_path):
     assert stats.env_steps == sum(len(t.steps) for g in groups for t in g.trajectories) > 0
     assert stats.generated_tokens == sum(len(s.response_ids) for g in groups for t in g.trajectories for s in t.steps)
 
-    # The grammar reaches the server: every finished answer is a numbered list of 5-8 lines.
-    prompt = group_prompt(groups[0].task, groups[0].trajectories, RUBRIC, tokenizer=tokenizer, fmt=fmt)
-    answers = sampler.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=320, stop_token_ids=fmt.stop_token_ids,
-                                                        seed=0, n=2, regex=bundle_regex()))  # fmt: skip
-    finished = [a.text for a in answers if a.finish_reason == "stop"]
-    assert finished and all(re.fullmatch(bundle_regex(), text) for text in finished), [a.text for a in answers]
+    answers = []  # what the server returned to generate_bundles, to check against the grammar
 
-    written = generate_bundles(sampler, groups, RUBRIC, seed=0, tokenizer=tokenizer, fmt=fmt)
+    class Recording:
+        max_model_len = sampler.max_model_len
+
+        def generate(self, prompts, params):
+            answers.extend(sampler.generate(prompts, params))
+            return answers[-len(prompts) * params.n :]
+
+    written = generate_bundles(Recording(), groups, RUBRIC, seed=0, tokenizer=tokenizer, fmt=fmt)
+    # The grammar reaches the server: every finished answer is a numbered list of 5-8 lines.
+    finished = [a.text for a in answers if a.finish_reason == "stop"]
+    grammar = bundle_regex(RUBRIC.criterion_chars)
+    assert finished and all(re.fullmatch(grammar, text) for text in finished), [a.text for a in answers]
     assert [len(b) for b in written] == [RUBRIC.candidates] * TASKS
     bundles = [(*b, HAND) for b in written]
     for bundle in (b for group in bundles for b in group):  # each either 5-8 criteria or a stated reason
