@@ -30,6 +30,7 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--n-tasks", type=int)
     p.add_argument("--group-size", type=int)
     p.add_argument("--candidates", type=int, help="rubric bundles per group (K)")
+    p.add_argument("--min-correlation", type=float, help="keep a selected rubric only if its Spearman correlation reaches this (default: always, as the paper)")
     p.add_argument("--coef", type=float, help="lambda: weight of the rubric correction")
     p.add_argument("--clip", type=float, help="c: the gap is clipped to [-c, c]")
     p.add_argument("--lr", type=float)
@@ -54,7 +55,7 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
     c = set_(c, method=args.method, updates=args.updates, n_tasks=args.n_tasks, group_size=args.group_size,
              devices=args.devices, fsdp=args.fsdp, sampler=args.sampler, eval_games=args.eval_games, seed=args.seed)  # fmt: skip
     c = set_(c, model=set_(c.model, name=args.model), env=set_(c.env, data_dir=args.data_dir, task_types=args.task_types))
-    c = set_(c, rubric=set_(c.rubric, candidates=args.candidates), loss=set_(c.loss, coef=args.coef, clip=args.clip))
+    c = set_(c, rubric=set_(c.rubric, candidates=args.candidates, min_correlation=args.min_correlation), loss=set_(c.loss, coef=args.coef, clip=args.clip))
     c = set_(c, optimizer=set_(c.optimizer, learning_rate=args.lr))
     if args.model:  # an explicit initial policy replaces the preset's warm start
         c = dataclasses.replace(c, model=dataclasses.replace(c.model, warmstart=None, random_shape=None))

@@ -29,7 +29,7 @@ from flax import nnx
 
 from orsd_jax import chat, evaluation
 from orsd_jax.advantages import gigpo_advantages, grpo_advantages
-from orsd_jax.batch import StepSample, build_batch
+from orsd_jax.batch import PAD, StepSample, build_batch
 from orsd_jax.checkpoints import Checkpoints
 from orsd_jax.config import TrainConfig, to_json
 from orsd_jax.envs.base import Task, TextEnv
@@ -313,15 +313,19 @@ def train_minibatches(
 
     Returns the new state; the loss metrics of the whole update, computed once from the loss sums
     of every minibatch (so the gap statistics are exact over the update, not means of means);
-    the response token count; and, when ``record``, per minibatch (rows, the token values its step's
-    loss computed, response mask).
+    counts (``tokens``: response tokens; ``row_tokens``: the tokens the forward passes read, the
+    packed rows without their padding; ``row_slots``: the same with it); and, when ``record``, per
+    minibatch (rows, the token values its step's loss computed, response mask).
     """
     totals: dict[str, float] = {}
     weighted = {"loss": 0.0, "grad_norm": 0.0}  # per-step values, token-weighted
     tokens, recorded = 0.0, []
+    counts = {"row_tokens": 0, "row_slots": 0}
     for start in progress(range(0, len(samples), config.minibatch_rows), "train"):
         rows = order[start : start + config.minibatch_rows].tolist()
         batch = build_batch([samples[r] for r in rows], seq_multiple=128, response_multiple=32, batch_multiple=config.minibatch_rows)
+        counts["row_tokens"] += int(np.sum(batch.branch != PAD))
+        counts["row_slots"] += batch.branch.size
         state, step_metrics, values = train_step(state, batch, config.micro_batches)
         if record:
             recorded.append((rows, {k: np.asarray(v) for k, v in values.items()}, batch.response_mask))
@@ -333,7 +337,7 @@ def train_minibatches(
             weighted[k] += step_metrics[k] * step_metrics["tokens"]
         tokens += step_metrics["tokens"]
     metrics = {k: float(v) for k, v in OrsdLoss.metrics(totals, tokens).items()}
-    return state, metrics | {k: v / max(tokens, 1.0) for k, v in weighted.items()}, tokens, recorded
+    return state, metrics | {k: v / max(tokens, 1.0) for k, v in weighted.items()}, counts | {"tokens": tokens}, recorded
 
 
 def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
@@ -355,7 +359,7 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
         rng = np.random.default_rng([c.seed, update])
         before = dataclasses.replace(run.verifier.stats)
         penalty = c.advantage.invalid_penalty
-        rubrics = [verify_and_select(run.verifier, g, b, c.selection_mode, rng, returns(g, penalty))
+        rubrics = [verify_and_select(run.verifier, g, b, c.selection_mode, rng, returns(g, penalty), c.rubric.min_correlation)
                    for g, b in progress(list(zip(groups, bundles)), "verify")]  # fmt: skip
         metrics["time/verification"] = time.perf_counter() - t0
         metrics |= rubric_metrics(rubrics)
@@ -366,13 +370,16 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
     order = np.random.default_rng([c.seed, update, 1]).permutation(len(samples))
     t0 = time.perf_counter()
     record = c.credit_every and (update + 1) % c.credit_every == 0 or update + 1 == c.updates
-    run.state, loss_metrics, tokens, recorded = train_minibatches(run.train_step, run.state, samples, order, c, record)
+    run.state, loss_metrics, counts, recorded = train_minibatches(run.train_step, run.state, samples, order, c, record)
     without_rubric = ("gap", "rubric_token_frac")  # meaningless without a rubric stage
     metrics |= {f"loss/{k}": v for k, v in loss_metrics.items() if c.uses_rubrics or not k.startswith(without_rubric)}
-    metrics["train/tokens"] = tokens
+    metrics["train/tokens"] = counts["tokens"]
+    metrics["train/row_tokens"] = float(counts["row_tokens"])
+    metrics["train/row_fill"] = counts["row_tokens"] / counts["row_slots"]
     metrics["train/step_samples"] = float(len(samples))
     metrics["time/train"] = time.perf_counter() - t0
-    metrics["train/tokens_per_s"] = tokens / metrics["time/train"]
+    metrics["train/tokens_per_s"] = counts["tokens"] / metrics["time/train"]
+    metrics["train/row_tokens_per_s"] = counts["row_tokens"] / metrics["time/train"]
     t0 = time.perf_counter()
     run.sampler.push_weights(run.policy(), update + 1)
     metrics["time/weight_push"] = time.perf_counter() - t0

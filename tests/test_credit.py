@@ -98,8 +98,12 @@ def test_update_metrics_are_exact_over_minibatches(tmp_path):
     graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(config.loss), optimizer, graphdef, sharding)
     samples = make_samples((True, True, True, False, False, True))  # minibatches with 2, 1 and 1 rubric rows
-    _, metrics, tokens, recorded = train_minibatches(step, state, samples, np.arange(6), config, record=True)
+    _, metrics, counts, recorded = train_minibatches(step, state, samples, np.arange(6), config, record=True)
+    tokens = counts["tokens"]
     assert len(recorded) == 3
+    # The forward reads the shared prompt once and the tail and response once per branch.
+    packed = [len(s.prefix) + len(s.insert) + (2 if s.insert else 1) * (len(s.tail) + len(s.response)) for s in samples]
+    assert counts["row_tokens"] == sum(packed) and counts["row_slots"] >= sum(packed)
     gaps = np.concatenate([
         values["gap"][i, : len(samples[r].response)]
         for rows, values, _ in recorded for i, r in enumerate(rows) if samples[r].insert

@@ -73,7 +73,7 @@ def test_the_bundle_grammar_admits_exactly_what_parses_line_by_line(items):
     """Whatever a constrained writer can finish parses to its own lines; outside 5-8 lines, or with
     a line of the wrong length or numbering, the grammar does not match (an independent check)."""
     text = "".join(f"{k}. {item}\n" for k, item in enumerate(items, start=1))
-    lines_ok = all(10 <= len(item) <= 150 and not item[0].isspace() and "\n" not in item for item in items)
+    lines_ok = all(10 <= len(item) <= 150 and not item[0].isspace() and not {"\n", "<"} & set(item) for item in items)
     matches = re.fullmatch(bundle_regex(), text) is not None
     assert matches == (5 <= len(items) <= 8 and lines_ok)
     if matches:
@@ -82,6 +82,23 @@ def test_the_bundle_grammar_admits_exactly_what_parses_line_by_line(items):
         assert len(bundle.criteria) <= len(items)
         assert all(any(c in " ".join(item.split()) for item in items) for c in bundle.criteria)
     assert re.fullmatch(bundle_regex(), text.replace("\n2. ", "\n3. ", 1)) is None  # out of order
+
+
+def test_the_grammar_keeps_special_tokens_out():
+    """vLLM's grammar lets a special token through when its text fits, and ``<|im_start|>`` does fit ``[^\\n]``."""
+    lines = [f"{k}. {c}\n" for k, c in enumerate(FIVE, start=1)]
+    assert re.fullmatch(bundle_regex(), "".join(lines))
+    lines[2] = lines[2].replace(" twice", "<|im_start|>user")
+    assert re.fullmatch(bundle_regex(), "".join(lines)) is None
+
+
+def test_a_cut_bundle_loses_its_unfinished_line():
+    six = "".join(f"{k}. {c}\n" for k, c in enumerate(FIVE, start=1)) + "6. The agent takes the statue from"
+    assert parse_bundle(six).criteria[-1] == "The agent takes the statue from"  # finished text: a line is a line
+    assert parse_bundle(six, cut=True).criteria == tuple(FIVE) and parse_bundle(six, cut=True).valid
+    five = six.replace(f"5. {FIVE[4]}\n", "")
+    assert parse_bundle(five, cut=True).reason == "4 criteria; a bundle needs 5-8 (cut by the token limit)"
+    assert parse_bundle("1. The agent goes to the desk", cut=True).reason == "no list of criteria found (cut by the token limit)"
 
 
 def test_a_grammar_line_holds_a_criterion():
@@ -179,6 +196,11 @@ def test_selection_modes():
     assert select_bundle(sat[2:3], rewards, "single", np.random.default_rng(0)).index == 0
     with pytest.raises(ValueError, match="exactly one"):
         select_bundle(sat, rewards, "single", np.random.default_rng(0))
+    backwards = sat[2:]  # the only defined correlation is -4 / sqrt(20)
+    assert select_bundle(backwards, rewards, "spearman", np.random.default_rng(0)).index == 0  # the paper's argmax
+    withheld = select_bundle(backwards, rewards, "spearman", np.random.default_rng(0), min_correlation=0.0)
+    assert withheld.index is None and withheld.reason == "best correlation below the minimum"
+    assert select_bundle(sat, rewards, "spearman", np.random.default_rng(0), min_correlation=0.0).index == 0
     with pytest.raises(ValueError, match="unknown selection mode"):
         select_bundle(sat, rewards, "best", np.random.default_rng(0))
 

@@ -22,7 +22,7 @@ from orsd_jax.rubrics import GroupRubric, ParsedBundle, Selection
 from orsd_jax.trainer import step_advantages, step_samples, tasks_for_update, train
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-TIMING = ("time/", "rollout/generated_tokens_per_s", "rollout/env_steps_per_s", "train/tokens_per_s", "verifier/latency_s")
+TIMING = ("time/", "rollout/generated_tokens_per_s", "rollout/env_steps_per_s", "train/tokens_per_s", "train/row_tokens_per_s", "verifier/latency_s")
 
 
 def _metrics(run: pathlib.Path) -> list[dict]:

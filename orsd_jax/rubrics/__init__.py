@@ -37,9 +37,11 @@ def verify_and_select(
     mode: str,
     rng: np.random.Generator,
     rewards: Sequence[float] | None = None,
+    min_correlation: float | None = None,
 ) -> GroupRubric:
     """Scores the valid bundles on every trajectory and selects one (``mode``: spearman/single/random)
-    by rank correlation with ``rewards [G]``: the returns the advantages use (default: the outcome rewards)."""
+    by rank correlation with ``rewards [G]``: the returns the advantages use (default: the outcome
+    rewards); ``min_correlation``: see ``select_bundle``."""
     valid = [b for b, bundle in enumerate(bundles) if bundle.valid]
     satisfaction = np.full((len(bundles), len(group.trajectories)), np.nan)
     if valid:
@@ -47,7 +49,7 @@ def verify_and_select(
         for b, s in zip(valid, scores):
             satisfaction[b] = s.mean(axis=1)  # NaN for a trajectory that could not be scored
     rewards = np.asarray(group.rewards if rewards is None else rewards, float)
-    return GroupRubric(tuple(bundles), satisfaction, select_bundle(satisfaction, rewards, mode, rng))
+    return GroupRubric(tuple(bundles), satisfaction, select_bundle(satisfaction, rewards, mode, rng, min_correlation))
 
 
 def rubric_metrics(results: Sequence[GroupRubric]) -> dict[str, float]:

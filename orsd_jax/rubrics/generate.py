@@ -33,6 +33,9 @@ class RubricConfig:
     # long lines can still use up ``max_new_tokens`` before the fifth (README, "The cpu-demo run").
     constrained: bool = False
     criterion_chars: int = 150
+    # Selection keeps the best bundle only when its Spearman correlation reaches this (None: always,
+    # the paper's rule, even when every bundle ranks the episodes backwards).
+    min_correlation: float | None = None
 
     def __post_init__(self):
         if self.constrained:
@@ -100,4 +103,5 @@ def generate_bundles(
     )
     completions = sampler.generate(prompts, params)
     k = config.candidates
-    return [tuple(parse_bundle(c.text) for c in completions[g * k : (g + 1) * k]) for g in range(len(groups))]
+    bundles = [parse_bundle(c.text, cut=c.finish_reason == "length") for c in completions]
+    return [tuple(bundles[g * k : (g + 1) * k]) for g in range(len(groups))]

@@ -73,22 +73,32 @@ def _key(item: str) -> str:
 def bundle_regex(max_chars: int = 150) -> str:
     """The grammar a constrained writer samples under (``RubricConfig.constrained``): lines ``1. `` to
     ``5. `` at least, ``8. `` at most, numbered in order, each a criterion of 10 to ``max_chars``
-    characters ending in a newline. ``parse_bundle`` reads such a text as its lines (unless a line
-    holds a JSON list, which it reads first), so a constrained bundle fails on its content
-    (duplicates, items under 3 words) or by running out of tokens before its fifth line."""
+    characters ending in a newline, none of them ``<`` (which keeps out the tokenizer's special
+    tokens, e.g. ``<|im_start|>``, that the grammar would otherwise let through as text, and
+    markup). ``parse_bundle`` reads such a text as its lines (unless a line holds a JSON list,
+    which it reads first), so a constrained bundle fails on its content (duplicates, items under
+    3 words) or by running out of tokens before its fifth line."""
     if max_chars < 10:
         raise ValueError(f"criteria need at least 10 characters, got max_chars={max_chars}")
-    item = rf"\S[^\n]{{9,{max_chars - 1}}}\n"
+    item = rf"[^\s<][^\n<]{{9,{max_chars - 1}}}\n"
     optional = ""
     for k in range(MAX_CRITERIA, MIN_CRITERIA, -1):
         optional = f"({k}\\. {item}{optional})?"
     return "".join(f"{k}\\. {item}" for k in range(1, MIN_CRITERIA + 1)) + optional
 
 
-def parse_bundle(text: str) -> ParsedBundle:
+def parse_bundle(text: str, cut: bool = False) -> ParsedBundle:
+    """The bundle in ``text``. ``cut``: the writer ran out of tokens, so whatever follows the last
+    newline is an unfinished criterion and is dropped (and a rejection says the text was cut)."""
     if not isinstance(text, str) or not text.strip():
         return ParsedBundle((), "empty output")
-    text = _THINK.sub("", text)
+    if cut:
+        text = text[: text.rfind("\n") + 1]
+    bundle = _parse(_THINK.sub("", text))
+    return dataclasses.replace(bundle, reason=f"{bundle.reason} (cut by the token limit)") if cut and bundle.reason else bundle
+
+
+def _parse(text: str) -> ParsedBundle:
     items = _json_items(text)
     if items is None:
         items = [m.group(1) for line in text.splitlines() if (m := _ITEM.match(line))]

@@ -6,6 +6,8 @@ undefined (NaN) when either side is constant or the bundle could not be verified
 bundle, ``random`` picks uniformly among bundles with a defined correlation (the ablation that
 keeps the candidates but drops the alignment). A group gets no rubric when its rewards are
 constant, when no bundle is valid, or when every correlation is undefined; ``reason`` says which.
+The paper keeps the argmax whatever its sign, so a group whose best bundle ranks the episodes
+backwards still reads it; ``min_correlation`` (off by default) withholds such a rubric.
 """
 
 from __future__ import annotations
@@ -47,8 +49,11 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sum(ra * rb) / denominator) if denominator > 0 else float("nan")
 
 
-def select_bundle(satisfaction: np.ndarray, rewards: np.ndarray, mode: str, rng: np.random.Generator) -> Selection:
-    """``satisfaction [K, G]`` (NaN rows for invalid bundles), ``rewards [G]``."""
+def select_bundle(
+    satisfaction: np.ndarray, rewards: np.ndarray, mode: str, rng: np.random.Generator, min_correlation: float | None = None
+) -> Selection:
+    """``satisfaction [K, G]`` (NaN rows for invalid bundles), ``rewards [G]``. With
+    ``min_correlation``, the ``spearman`` mode gives no rubric when the best correlation is below it."""
     if mode not in MODES:
         raise ValueError(f"unknown selection mode {mode!r}; expected one of {MODES}")
     satisfaction = np.asarray(satisfaction, float).reshape(-1, len(rewards))
@@ -65,4 +70,7 @@ def select_bundle(satisfaction: np.ndarray, rewards: np.ndarray, mode: str, rng:
         return Selection(None, correlations, "no bundle with a defined correlation (constant satisfaction)")
     if mode == "random":
         return Selection(int(rng.choice(defined)), correlations, "")
-    return Selection(int(defined[np.argmax(correlations[defined])]), correlations, "")
+    best = int(defined[np.argmax(correlations[defined])])
+    if min_correlation is not None and correlations[best] < min_correlation:
+        return Selection(None, correlations, "best correlation below the minimum")
+    return Selection(best, correlations, "")
