@@ -1,7 +1,7 @@
 """ORSD train step on the embedded model at agent-like shapes: one packed forward vs two forwards.
 
 Usage: python benchmarks/loss.py [--rows 4] [--prompt 600] [--rubric 150] [--response 60] [--reps 3]
-                                 [--layers N] [--no-remat]
+                                 [--layers N] [--no-remat] [--query-blocks 1 4]
 
 Three ways to get the with- and without-rubric log-probs of a batch, each timed as a whole
 train step (loss, gradients, clipping, AdamW), interleaved in one run (medians of ``--reps``):
@@ -19,6 +19,10 @@ packed ``k (P + R + 2 (S + Y))``, two forwards ``(P + R + S + Y) + k (P + S + Y)
 passes over two forwards without remat and ``P - 3 (R + S + Y)`` with it: the backward also runs
 over the with-rubric tokens, whose gradient is zero. Dense ``T x T`` attention adds a cost that
 grows with the longer packed row.
+
+Each layout runs with each ``--query-blocks`` setting of the attention (``decoder.QUERY_BLOCKS``:
+1 is dense ``[T, T]`` attention, 4 the default, which scores each quarter of the queries against
+the keys up to its end only).
 
 Also measured here: the f32 matmul rate (2048^3) as the machine's peak. FLOPs per step are the
 dense work each layout executes (``orsd_jax.estimate.forward_flops``; backward 2x, remat 1x).
@@ -40,7 +44,7 @@ from orsd_jax import chat
 from orsd_jax.batch import StepSample, build_batch
 from orsd_jax.estimate import forward_flops
 from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss, response_logprobs
-from orsd_jax.models import EMBEDDED, CausalLM, load_model
+from orsd_jax.models import EMBEDDED, CausalLM, decoder, load_model
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
 
 
@@ -119,6 +123,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-remat", action="store_true", help="keep every layer's activations")
     parser.add_argument("--layers", type=int, default=None, help="use only the first N of the 30 layers")
+    parser.add_argument("--query-blocks", type=int, nargs="+", default=[1, decoder.QUERY_BLOCKS], help="attention variants")
     args = parser.parse_args()
 
     model, tokenizer = load_model(EMBEDDED, remat=not args.no_remat)
@@ -143,12 +148,14 @@ def main() -> None:
     graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
     del model  # the state holds a copy of the parameters
     runs = {}
-    for name, (loss_cls, batch) in layouts(samples).items():
-        step = make_train_step(loss_cls(LossConfig()), optimizer, graphdef, sharding)
-        start = time.perf_counter()
-        state, _, _ = step(state, batch)
-        jax.block_until_ready(state)
-        runs[name] = dict(step=step, batch=batch, compile=time.perf_counter() - start, times=[])
+    for blocks in args.query_blocks:
+        decoder.QUERY_BLOCKS = blocks  # read when the step is traced, on its first call just below
+        for name, (loss_cls, batch) in layouts(samples).items():
+            step = make_train_step(loss_cls(LossConfig()), optimizer, graphdef, sharding)
+            start = time.perf_counter()
+            state, _, _ = step(state, batch)
+            jax.block_until_ready(state)
+            runs[name, blocks] = dict(step=step, batch=batch, compile=time.perf_counter() - start, times=[])
     matrix = jnp.ones((2048, 2048), jnp.float32)
     matmul = jax.jit(lambda x: x @ x)
     matmul(matrix).block_until_ready()
@@ -167,19 +174,20 @@ def main() -> None:
     print(f"SmolLM2-135M f32 ({config.num_layers} layers), remat {not args.no_remat}, {args.rows} samples: "
           f"prompt {p} (chat head + text), rubric {args.rubric}, tail {s}, response {args.response}; "
           f"{jax.devices()[0].platform}, matmul peak {peak / 1e9:.0f} GFLOP/s")  # fmt: skip
-    base = statistics.median(runs["two forwards"]["times"])
-    columns = ["layout", "tokens per row", "step s (median)", "trained tokens/s", "GFLOP/s executed",
-               "% of matmul peak", "vs two forwards"]  # fmt: skip
+    median = {key: statistics.median(run["times"]) for key, run in runs.items()}
+    dense = args.query_blocks[0]
+    columns = ["layout", "query blocks", "tokens per row", "step s (median)", "trained tokens/s", "GFLOP/s executed",
+               "% of matmul peak", "vs two forwards", f"vs {dense} block(s)"]  # fmt: skip
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
-    for name, run in runs.items():
-        t = statistics.median(run["times"])
+    for (name, blocks), run in runs.items():
+        t = median[name, blocks]
         batch = run["batch"]
         rows = batch if name == "two forwards" else (batch,)
         shape = "+".join(str(b.tokens.shape[1]) for b in rows)
-        flops = executed_flops(config, name, batch, not args.no_remat)
-        print(f"| {name} | {shape} | {t:.2f} | {trained / t:.0f} | {flops / t / 1e9:.0f} | {100 * flops / t / peak:.0f}% "
-              f"| {base / t:.2f}x |")  # fmt: skip
-    print("compile s: " + ", ".join(f"{name} {run['compile']:.0f}" for name, run in runs.items()))
+        flops = executed_flops(config, name, batch, not args.no_remat)  # dense work: blocks skip some of it
+        print(f"| {name} | {blocks} | {shape} | {t:.2f} | {trained / t:.0f} | {flops / t / 1e9:.0f} | "
+              f"{100 * flops / t / peak:.0f}% | {median['two forwards', blocks] / t:.2f}x | {median[name, dense] / t:.2f}x |")  # fmt: skip
+    print("compile s: " + ", ".join(f"{name} ({blocks}) {run['compile']:.0f}" for (name, blocks), run in runs.items()))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from orsd_jax.models import (
     load_model,
     save_hf,
 )
+from orsd_jax.batch import PAD, SHARED, WITH, WITHOUT, tree_attention_mask
+from orsd_jax.models.decoder import attend
 from orsd_jax.models.registry import embedded_gguf_path
 
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=3)
@@ -287,3 +289,21 @@ def test_frozen_layers_get_no_gradient_and_leave_the_rest_unchanged(tiny):
             assert (np.abs(g_part).max() > 0) == model.config.tie_word_embeddings
         else:
             np.testing.assert_allclose(g_part, g_full, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t", [8, 13, 64])
+def test_query_blocks_equal_dense_attention(t):
+    """Blocks of queries that skip later keys give dense attention's output under any causal mask:
+    here packed tree masks (a shared prefix and two branches). Padding queries see no key, and
+    their output, never read, differs."""
+    rng = np.random.RandomState(t)
+    q, k, v = (jnp.asarray(rng.randn(2, t, *shape).astype(np.float32)) for shape in ((6, 8), (2, 8), (2, 8)))
+    cut, end = t // 3, t - 2  # prefix [0, cut), branch 1 [cut, end - (end - cut) // 2), branch 2 after it, padding last
+    branch = np.full((2, t), PAD)
+    branch[:, :cut] = SHARED
+    branch[:, cut : cut + (end - cut) // 2] = WITH
+    branch[:, cut + (end - cut) // 2 : end] = WITHOUT
+    mask = tree_attention_mask(jnp.asarray(branch))
+    dense = attend(q, k, v, mask)
+    blocked = attend(q, k, v, mask, causal=True)
+    np.testing.assert_allclose(np.asarray(blocked)[:, :end], np.asarray(dense)[:, :end], atol=1e-5, rtol=0)

@@ -180,8 +180,27 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention: q ``[B, T, N, H]``, k/v ``[B, S, K, H]``, mask ``bool[B, T, S]``."""
+QUERY_BLOCKS = 4
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal: bool = False) -> jax.Array:
+    """Grouped-query attention: q ``[B, T, N, H]``, k/v ``[B, S, K, H]``, mask ``bool[B, T, S]``.
+
+    ``causal``: keys and queries are the same ``T`` tokens and the mask never lets a token see a
+    later one, so each of ``QUERY_BLOCKS`` blocks of queries is scored against the keys up to its
+    end only: about 5/8 of the dense ``[T, T]`` work, which dominates a layer at agent prompt
+    lengths on CPU (README, "The train step"). A query that sees no key (padding) gets a
+    meaningless output either way, not the same one.
+    """
+    t = q.shape[1]
+    if not causal or t < 2 * QUERY_BLOCKS:
+        return _attend(q, k, v, mask)
+    size = -(-t // QUERY_BLOCKS)
+    blocks = [(start, min(start + size, t)) for start in range(0, t, size)]
+    return jnp.concatenate([_attend(q[:, a:e], k[:, :e], v[:, :e], mask[:, a:e, :e]) for a, e in blocks], axis=1)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(b, t, kv_heads, n // kv_heads, h)
@@ -220,7 +239,7 @@ class Attention(nnx.Module):
             k = cache[0].at[rows, positions].set(k.astype(cache[0].dtype))
             v = cache[1].at[rows, positions].set(v.astype(cache[1].dtype))
             cache = (k, v)
-        out = attend(q, k.astype(dt), v.astype(dt), mask)
+        out = attend(q, k.astype(dt), v.astype(dt), mask, causal=cache is None)
         return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), cache
 
 
@@ -233,8 +252,11 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        hidden = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
-        return hidden @ self.down[...].astype(dt)
+        # [B, T, D] as [B * T, D]: XLA:CPU runs the weight gradients (a contraction over B and T)
+        # as one GEMM instead of a slow two-axis contraction (README, "The train step").
+        x2 = x.reshape(-1, x.shape[-1])
+        hidden = jax.nn.silu(x2 @ self.gate[...].astype(dt)) * (x2 @ self.up[...].astype(dt))
+        return (hidden @ self.down[...].astype(dt)).reshape(x.shape)
 
 
 class DecoderLayer(nnx.Module):
@@ -294,7 +316,8 @@ class CausalLM(nnx.Module):
         """Final-normed hidden states ``[B, T, D]`` (and the updated cache when one is given).
 
         ``mask bool[B, T, S]`` overrides the default (causal within ``segment_ids``; with a cache:
-        every slot at or before the query's position). ``frozen [B, T, D]``: ``frozen_states`` of
+        every slot at or before the query's position); without a cache it must never let a token
+        see a later one (``attend`` skips those keys). ``frozen [B, T, D]``: ``frozen_states`` of
         the same inputs, computed earlier (frozen weights give the same states every epoch), so
         only the trainable layers run.
         """
