@@ -163,7 +163,7 @@ def main() -> None:
     for _ in range(args.reps):  # interleaved, so load changes hit every layout and the peak alike
         for run in runs.values():
             start = time.perf_counter()
-            state, metrics = run["step"](state, run["batch"])
+            state, metrics, _ = run["step"](state, run["batch"])
             jax.block_until_ready(metrics)
             run["times"].append(time.perf_counter() - start)
         matmul_times += [timed(lambda: matmul(matrix)) for _ in range(5)]
