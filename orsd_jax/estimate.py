@@ -13,8 +13,9 @@ estimate of what the backward pass keeps, to within tens of percent. Assumptions
   (including the ``[heads, T, T]`` attention scores and probabilities); with remat, every layer
   keeps its input and one layer at a time is recomputed.
 - The LM head runs on the ``2 * response_len`` gathered positions of a row, in chunks.
-- FLOPs: ``2 * weights`` per token and matmul, dense ``T x T`` attention (masking saves nothing),
-  backward twice the forward, remat one more forward.
+- FLOPs: ``2 * weights`` per token and matmul, attention of each query block against the keys up
+  to its end (``decoder.query_blocks``: about 5/8 of ``T x T``), backward twice the forward, remat
+  one more forward.
 
 ``python -m orsd_jax.estimate`` prints the paper's presets on 4 x A100 80GB.
 """
@@ -26,6 +27,7 @@ import dataclasses
 import numpy as np
 
 from orsd_jax.models import ModelConfig
+from orsd_jax.models.decoder import query_blocks
 
 GB = 1e9
 
@@ -48,12 +50,17 @@ def param_count(c: ModelConfig) -> int:
     return embeddings + c.num_layers * layer_params(c) + c.hidden_size
 
 
+def attention_pairs(seq_len: int) -> int:
+    """(query, key) pairs causal attention scores: each query block against the keys up to its end."""
+    return sum((end - start) * end for start, end in query_blocks(seq_len))
+
+
 def forward_flops(c: ModelConfig, rows: int, seq_len: int, head_positions: int) -> float:
     """Matmul FLOPs of one forward: layers over ``rows x seq_len`` tokens, the LM head on
     ``head_positions`` per row (a packed ORSD row: ``2 Y``, with and without the rubric)."""
     matmul_weights = layer_params(c) - 2 * c.hidden_size - (2 * c.head_dim if c.qk_norm else 0)
     layers = 2 * matmul_weights * rows * seq_len * c.num_layers
-    attention = 4 * rows * seq_len**2 * c.num_heads * c.head_dim * c.num_layers
+    attention = 4 * rows * attention_pairs(seq_len) * c.num_heads * c.head_dim * c.num_layers
     head = 2 * c.vocab_size * c.hidden_size * rows * head_positions
     return float(layers + attention + head)
 
@@ -116,8 +123,8 @@ def estimate(
     # Per token of one layer: norms and residuals (3 D), q/k/v before and after RoPE and the
     # attention output (3 N H + 3 K H), the MLP's gate, up, activation and product (4 F).
     per_token = (3 * d + 3 * heads * h + 3 * kv * h + 4 * f) * a_bytes
-    # float32 scores, masked scores, and the probabilities in the compute dtype
-    scores = rows_per_step * heads * seq_len**2 * (8 + a_bytes)
+    # float32 scores, masked scores, and the probabilities in the compute dtype, per query block
+    scores = rows_per_step * heads * attention_pairs(seq_len) * (8 + a_bytes)
     one_layer = tokens * per_token + scores
     kept = tokens * d * a_bytes * c.num_layers + one_layer if c.remat else one_layer * c.num_layers
     mask = rows_per_step * seq_len**2  # bool [B, T, T]

@@ -192,12 +192,19 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal: bo
     lengths on CPU (README, "The train step"). A query that sees no key (padding) gets a
     meaningless output either way, not the same one.
     """
-    t = q.shape[1]
-    if not causal or t < 2 * QUERY_BLOCKS:
+    if not causal:
         return _attend(q, k, v, mask)
-    size = -(-t // QUERY_BLOCKS)
-    blocks = [(start, min(start + size, t)) for start in range(0, t, size)]
+    blocks = query_blocks(q.shape[1])
     return jnp.concatenate([_attend(q[:, a:e], k[:, :e], v[:, :e], mask[:, a:e, :e]) for a, e in blocks], axis=1)
+
+
+def query_blocks(t: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of the causal attention's query blocks over ``t`` tokens: ``QUERY_BLOCKS``
+    of them, or one when ``t`` is too short to split."""
+    if t < 2 * QUERY_BLOCKS:
+        return [(0, t)]
+    size = -(-t // QUERY_BLOCKS)
+    return [(start, min(start + size, t)) for start in range(0, t, size)]
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
