@@ -308,7 +308,7 @@ def _compile_cache() -> pathlib.Path:
 
 def train_minibatches(
     train_step, state: TrainState, samples: Sequence[StepSample], order: np.ndarray, config: TrainConfig, record: bool
-) -> tuple[TrainState, dict[str, float], float, list]:
+) -> tuple[TrainState, dict[str, float], dict[str, float], list]:
     """Optimizer steps over ``samples`` taken in ``order``, ``config.minibatch_rows`` at a time.
 
     Returns the new state; the loss metrics of the whole update, computed once from the loss sums
@@ -319,8 +319,7 @@ def train_minibatches(
     """
     totals: dict[str, float] = {}
     weighted = {"loss": 0.0, "grad_norm": 0.0}  # per-step values, token-weighted
-    tokens, recorded = 0.0, []
-    counts = {"row_tokens": 0, "row_slots": 0}
+    counts, recorded = {"tokens": 0.0, "row_tokens": 0, "row_slots": 0}, []
     for start in progress(range(0, len(samples), config.minibatch_rows), "train"):
         rows = order[start : start + config.minibatch_rows].tolist()
         batch = build_batch([samples[r] for r in rows], seq_multiple=128, response_multiple=32, batch_multiple=config.minibatch_rows)
@@ -335,9 +334,10 @@ def train_minibatches(
                 totals[k[4:]] = totals.get(k[4:], 0.0) + v
         for k in weighted:
             weighted[k] += step_metrics[k] * step_metrics["tokens"]
-        tokens += step_metrics["tokens"]
+        counts["tokens"] += step_metrics["tokens"]
+    tokens = counts["tokens"]
     metrics = {k: float(v) for k, v in OrsdLoss.metrics(totals, tokens).items()}
-    return state, metrics | {k: v / max(tokens, 1.0) for k, v in weighted.items()}, counts | {"tokens": tokens}, recorded
+    return state, metrics | {k: v / max(tokens, 1.0) for k, v in weighted.items()}, counts, recorded
 
 
 def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
