@@ -189,8 +189,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal: bo
     ``causal``: keys and queries are the same ``T`` tokens and the mask never lets a token see a
     later one, so each of ``QUERY_BLOCKS`` blocks of queries is scored against the keys up to its
     end only: about 5/8 of the dense ``[T, T]`` work, which dominates a layer at agent prompt
-    lengths on CPU (README, "The train step"). A query that sees no key (padding) gets a
-    meaningless output either way, not the same one.
+    lengths on CPU (docs/benchmarks.md, "The train step"). A query that sees no key (padding)
+    gets a meaningless output either way, not the same one.
     """
     if not causal:
         return _attend(q, k, v, mask)
@@ -260,7 +260,7 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
         # [B, T, D] as [B * T, D]: XLA:CPU runs the weight gradients (a contraction over B and T)
-        # as one GEMM instead of a slow two-axis contraction (README, "The train step").
+        # as one GEMM instead of a slow two-axis one (docs/benchmarks.md, "The train step").
         x2 = x.reshape(-1, x.shape[-1])
         hidden = jax.nn.silu(x2 @ self.gate[...].astype(dt)) * (x2 @ self.up[...].astype(dt))
         return (hidden @ self.down[...].astype(dt)).reshape(x.shape)

