@@ -30,7 +30,8 @@ class RubricConfig:
     top_p: float = 1.0
     # Sample under the numbered-list grammar (``bundle_regex``; vLLM sampler only), lines of at most
     # ``criterion_chars``. Free, small writers stop after 2-4 items or ramble past 8; constrained,
-    # long lines can still use up ``max_new_tokens`` before the fifth (README, "The cpu-demo run").
+    # long lines can still use up ``max_new_tokens`` before the fifth (docs/results/cpu-demo.md,
+    # "The rubric writer").
     constrained: bool = False
     criterion_chars: int = 150
     # Selection keeps the best bundle only when its Spearman correlation reaches this (None: always,
