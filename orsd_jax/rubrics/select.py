@@ -4,10 +4,20 @@
 undefined (NaN) when either side is constant or the bundle could not be verified (a NaN in
 ``S_b``). Modes: ``spearman`` takes the argmax (the first on ties), ``single`` takes the only
 bundle, ``random`` picks uniformly among bundles with a defined correlation (the ablation that
-keeps the candidates but drops the alignment). A group gets no rubric when its rewards are
-constant, when no bundle is valid, or when every correlation is undefined; ``reason`` says which.
-The paper keeps the argmax whatever its sign, so a group whose best bundle ranks the episodes
-backwards still reads it; ``min_correlation`` (off by default) withholds such a rubric.
+keeps the candidates but drops the alignment).
+
+A trajectory that no bundle could score (the verifier failed on its text, so every bundle has NaN
+there) is left out of every correlation: the bundles are still ranked, all over the same
+trajectories, so their correlations stay comparable. A NaN that only some bundles have is a fault
+of that (trajectory, bundle) pair and leaves those bundles undefined, rather than letting each
+bundle correlate over its own scored trajectories: correlations over different trajectories do
+not compare, and one over two trajectories is +-1 by construction.
+
+A group gets no rubric when no bundle is valid or no trajectory was scored, when its rewards are
+constant over the scored trajectories (so it needs two scored trajectories with different
+rewards), or when every correlation is undefined; ``reason`` says which. The paper keeps the
+argmax whatever its sign, so a group whose best bundle ranks the episodes backwards still reads
+it; ``min_correlation`` (off by default) withholds such a rubric.
 """
 
 from __future__ import annotations
@@ -52,17 +62,22 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 def select_bundle(
     satisfaction: np.ndarray, rewards: np.ndarray, mode: str, rng: np.random.Generator, min_correlation: float | None = None
 ) -> Selection:
-    """``satisfaction [K, G]`` (NaN rows for invalid bundles), ``rewards [G]``. With
-    ``min_correlation``, the ``spearman`` mode gives no rubric when the best correlation is below it."""
+    """``satisfaction [K, G]`` (NaN rows for invalid bundles, NaN columns for trajectories no
+    bundle could score), ``rewards [G]``. Correlations are over the scored trajectories (see the
+    module docstring). With ``min_correlation``, the ``spearman`` mode gives no rubric when the best
+    correlation is below it."""
     if mode not in MODES:
         raise ValueError(f"unknown selection mode {mode!r}; expected one of {MODES}")
+    rewards = np.asarray(rewards, float)
     satisfaction = np.asarray(satisfaction, float).reshape(-1, len(rewards))
     k = satisfaction.shape[0]
     if mode == "single" and k != 1:
         raise ValueError(f"mode 'single' takes exactly one bundle, got {k}")
+    scored = ~np.isnan(satisfaction).all(axis=0)
+    satisfaction, rewards = satisfaction[:, scored], rewards[scored]
     correlations = np.array([spearman(row, rewards) for row in satisfaction])
     defined = np.flatnonzero(~np.isnan(correlations))
-    if k == 0 or np.all(np.isnan(satisfaction)):
+    if k == 0 or not scored.any():
         return Selection(None, correlations, "no valid bundle")
     if np.ptp(rewards) == 0:
         return Selection(None, correlations, "constant rewards")
