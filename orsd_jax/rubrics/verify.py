@@ -10,10 +10,25 @@ holding the frozen initial policy. Two modes:
   the score is ``p(yes) / (p(yes) + p(no))`` from the first token's top log-probs. Small models
   rarely write valid JSON but always put mass on "yes" and "no".
 
-Requests run with bounded concurrency, a timeout, and retries with exponential backoff. A
-(trajectory, bundle) pair that still fails leaves NaN in its row, which marks the bundle
-invalid for selection. Successful answers are cached on disk by a hash of the request, so
-reruns and resumed runs do not pay twice; failures are never cached.
+Requests run with bounded concurrency. Faults, and what the user sees of them:
+
+- An answer no retry fixes (HTTP 400, 401, 403, 404, ...; ``is_fatal_status``) raises
+  ``VerifierError`` at once, naming the status and the URL (never the key), and the verifier sends
+  nothing more; so does a missing API key for an endpoint off this machine, at construction. A
+  wrong key thus stops the run instead of silently turning ORSD into GRPO.
+- Timeouts, lost connections, 429 and 5xx answers, and bodies that are not a chat completion are
+  retried (``max_retries``, exponential backoff, or the server's ``Retry-After`` when it sends
+  one) and counted by kind in ``VerifierStats``. ``timeout_s`` is a deadline for the whole
+  request, body included. A prompt that still fails leaves NaN for its pairs (selection then
+  ranks the bundles over the trajectories that were scored; see ``select``).
+- A circuit breaker: after ``breaker_failures`` requests in a row failed (after their retries),
+  a warning is logged once and no request is sent for ``breaker_cooldown_s`` (NaN scores, counted
+  in ``breaker_skips``); then requests go through again, and the first answer closes it.
+
+Successful answers are cached on disk under a hash of the request and the endpoint (URL, and the
+served weights where ``/models`` lists them), so reruns and resumed runs do not pay twice; what is
+cached is the endpoint's raw answer, parsed again when read, so an empty or corrupt entry is a
+miss. Failures are never cached, and an unwritable cache only logs a warning.
 """
 
 from __future__ import annotations
@@ -22,15 +37,19 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
+import ipaddress
 import json
+import logging
 import math
 import os
 import pathlib
 import re
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+import urllib.parse
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
+import httpx2
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +63,11 @@ VERIFIER_PROMPT_VERSION = 1
 _YES = {"yes", "y", "true", "1", "satisfied", "pass"}
 _NO = {"no", "n", "false", "0", "unsatisfied", "not satisfied", "fail"}
 _LINE_ANSWER = re.compile(r"(\d{1,2})\s*[\"']?\s*[.:)=-]\s*[\"']?\s*(yes|no|true|false)\b", re.I)
+log = logging.getLogger("orsd_jax")
+
+
+class VerifierError(RuntimeError):
+    """The verifier cannot work as configured: no API key, or an HTTP answer no retry fixes."""
 
 
 class Verifier(Protocol):
@@ -61,9 +85,12 @@ class VerifierConfig:
     api_key_env: str = "OPENAI_API_KEY"  # read at construction; a local server needs none
     mode: str = "binary"  # "binary" | "logprob"
     concurrency: int = 8
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0  # deadline of one request, the whole answer included
     max_retries: int = 3
     backoff_s: float = 1.0  # first retry waits this long, then doubles
+    max_retry_after_s: float = 60.0  # a server's Retry-After is waited, up to this
+    breaker_failures: int = 8  # failed requests in a row (after retries) that open the circuit breaker
+    breaker_cooldown_s: float = 60.0  # how long the open breaker sends nothing
     max_tokens: int = 200
     trajectory_budget_tokens: int = 1500  # each trajectory cut to this (about 4 characters a token)
     extra_body: tuple[tuple[str, object], ...] = ()  # provider options, e.g. (("enable_thinking", False),)
@@ -74,6 +101,8 @@ class VerifierConfig:
     def __post_init__(self):
         if self.mode not in ("binary", "logprob"):
             raise ValueError(f"verifier mode must be 'binary' or 'logprob', got {self.mode!r}")
+        if self.breaker_failures < 1:
+            raise ValueError(f"breaker_failures must be at least 1, got {self.breaker_failures}")
 
 
 # The paper's verifier: Qwen3.5-Plus through DashScope's OpenAI-compatible mode (international
@@ -96,6 +125,13 @@ class VerifierStats:
     retries: int = 0
     failures: int = 0  # requests that failed after every retry
     cache_hits: int = 0
+    # Failed attempts by kind:
+    timeouts: int = 0  # past the request deadline
+    connection_errors: int = 0  # no connection, or the connection lost mid-answer
+    server_errors: int = 0  # 429 and 5xx answers
+    bad_replies: int = 0  # bodies that are not a chat completion (garbage, truncated JSON)
+    unparsed: int = 0  # chat completions without a readable answer
+    breaker_skips: int = 0  # requests not sent while the circuit breaker was open
     latency_s: float = 0.0  # summed over successful requests
     input_tokens: int = 0
     output_tokens: int = 0
@@ -163,29 +199,225 @@ def yes_probability(top_logprobs: Sequence[tuple[str, float]]) -> float | None:
     return yes / (yes + no) if yes + no > 0 else None
 
 
+class _DeadlineStream(httpx2.SyncByteStream):
+    """A response body that raises a read timeout once ``deadline`` (monotonic) has passed."""
+
+    def __init__(self, stream: httpx2.SyncByteStream, deadline: float, request: httpx2.Request):
+        self._stream, self._deadline, self._request = stream, deadline, request
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._stream:
+            if time.monotonic() > self._deadline:
+                raise httpx2.ReadTimeout("the answer did not arrive within the request deadline", request=self._request)
+            yield chunk
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class _DeadlineTransport(httpx2.HTTPTransport):
+    """Bounds each request, body included, by ``deadline_s`` from when it is sent. httpx's
+    timeouts bound each read only, so a server that drips its answer a byte at a time would hold
+    a request (and a worker) for as long as it liked; the deadline is checked as each chunk of the
+    body arrives, so an attempt ends within about ``deadline_s`` plus one read timeout."""
+
+    def __init__(self, deadline_s: float):
+        super().__init__()
+        self._deadline_s = deadline_s
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        deadline = time.monotonic() + self._deadline_s
+        response = super().handle_request(request)
+        response.stream = _DeadlineStream(response.stream, deadline, request)
+        return response
+
+
+def is_loopback(url: str) -> bool:
+    """Whether ``url`` names this machine (localhost, 127.0.0.0/8, ::1)."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """The seconds a ``Retry-After`` header asks for; None without one (or in the HTTP-date form)."""
+    try:
+        seconds = float(headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None  # NaN fails the comparison too
+
+
+def is_fatal_status(status: int) -> bool:
+    """4xx answers no retry fixes: a bad key (401), no access (403), a wrong URL or model (404),
+    a request the server refuses (400, 422, ...). 408, 409 and 429 are worth retrying (as the
+    ``openai`` client itself judges), like 5xx."""
+    return 400 <= status < 500 and status not in (408, 409, 429)
+
+
+def reply_content(reply, logprobs: bool) -> str | list[tuple[str, float]]:
+    """What a chat completion answered: its text, or its first token's top (token, log-prob) pairs.
+    Raises (AttributeError, IndexError, TypeError) when ``reply`` is not a chat completion."""
+    choice = reply.choices[0]
+    if not logprobs:
+        return choice.message.content or ""
+    content = choice.logprobs.content if choice.logprobs else None
+    return [(t.token, t.logprob) for t in content[0].top_logprobs] if content else []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    """One HTTP request's outcome: the answer's raw content, or the VerifierStats counter of its fault."""
+
+    raw: str | list | None
+    fault: str = ""  # "timeouts" | "connection_errors" | "server_errors" | "bad_replies"
+    retry_after_s: float | None = None
+
+
 class OpenAIVerifier:
+    """The verifier behind an OpenAI-compatible endpoint; see the module docstring for its faults."""
+
     def __init__(self, config: VerifierConfig, client=None):
         import openai
 
         self.config = config
-        api_key = os.environ.get(config.api_key_env) or "EMPTY"  # local servers accept any key
-        # Retries are ours (counted, with backoff), so the client's own are off.
+        api_key = os.environ.get(config.api_key_env, "")
+        if client is None and not api_key and not is_loopback(config.base_url):
+            raise VerifierError(
+                f"no API key for the verifier at {config.base_url}: set ${config.api_key_env} "
+                "(any value for a server that needs none)"
+            )
+        self._api_key = api_key
+        # Retries are ours (counted, with backoff and Retry-After), so the client's own are off.
         self._client = client or openai.OpenAI(
-            base_url=config.base_url, api_key=api_key, timeout=config.timeout_s, max_retries=0
+            base_url=config.base_url, api_key=api_key or "EMPTY", timeout=config.timeout_s, max_retries=0,
+            http_client=openai.DefaultHttpxClient(transport=_DeadlineTransport(config.timeout_s)),
         )
         self._cache = pathlib.Path(config.cache_dir) if config.cache_dir else None
         if self._cache:
             self._cache.mkdir(parents=True, exist_ok=True)
         self.stats = VerifierStats()
         self._lock = threading.Lock()
+        self._endpoint: str | None = None  # the cache keys' name for the endpoint, fetched once
+        self._fatal: VerifierError | None = None
+        self._failures_in_a_row = 0
+        self._breaker_until = 0.0  # monotonic time the open breaker lets requests through again
+        self._cache_warned = False
 
     def _count(self, **increments) -> None:
         with self._lock:
             for name, value in increments.items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
 
+    def _endpoint_name(self) -> str:
+        """The URL and, where ``/models`` lists the served model, its weights (``root``) and context
+        length: two servers serving different weights under one name at one URL (a restart) never
+        share cache entries. A listing that fails leaves the URL alone (then a later verifier that
+        gets the listing keys differently, and asks again)."""
+        import openai
+
+        try:
+            listed = [m.model_dump() for m in self._client.models.list().data]
+        except (openai.OpenAIError, ValueError, TypeError, AttributeError):  # no listing, or not the OpenAI shape
+            listed = []
+        served = [{k: m.get(k) for k in ("id", "root", "max_model_len")} for m in listed if m.get("id") == self.config.model]
+        return json.dumps([self.config.base_url, served[0] if served else None])
+
+    def _cache_path(self, body: dict) -> pathlib.Path | None:
+        if self._cache is None:
+            return None
+        key = json.dumps([VERIFIER_PROMPT_VERSION, self._endpoint, body, self.config.extra_body])
+        return self._cache / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+    def _read_cache(self, path: pathlib.Path | None, parse: Callable):
+        """The cached answer, or None: no entry, or one that is empty, corrupt or unreadable."""
+        if path is None:
+            return None
+        try:
+            return parse(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None
+
+    def _write_cache(self, path: pathlib.Path | None, raw) -> None:
+        """Stores the raw answer (re-parsed when read, so an entry the parser rejects is a miss); an
+        unwritable cache is warned about once and otherwise ignored."""
+        if path is None:
+            return
+        tmp = path.with_suffix(f".tmp{threading.get_ident()}")
+        try:
+            tmp.write_text(json.dumps(raw))
+            tmp.replace(path)
+        except OSError as error:
+            with self._lock:
+                warn, self._cache_warned = not self._cache_warned, True
+            if warn:
+                log.warning("verifier cache %s is not writable (%s); answers are not cached", self._cache, error)
+
+    def _breaker_open(self) -> bool:
+        with self._lock:
+            return self._failures_in_a_row >= self.config.breaker_failures and time.monotonic() < self._breaker_until
+
+    def _record(self, reached: bool) -> None:
+        """Feeds the circuit breaker one finished request: ``reached`` when the endpoint answered
+        with a chat completion (readable or not), else a failure. ``breaker_failures`` failures in a
+        row open it for ``breaker_cooldown_s``; then requests go through again, each failure
+        re-opens it, and the first answer closes it."""
+        config = self.config
+        with self._lock:
+            was_open = self._failures_in_a_row >= config.breaker_failures
+            self._failures_in_a_row = 0 if reached else self._failures_in_a_row + 1
+            opens = not was_open and self._failures_in_a_row >= config.breaker_failures
+            if self._failures_in_a_row >= config.breaker_failures:
+                self._breaker_until = time.monotonic() + config.breaker_cooldown_s
+        if opens:
+            log.warning(
+                "verifier circuit breaker open: %d requests in a row to %s failed; no requests for %.0f s "
+                "(their scores are NaN, counted in breaker_skips)",
+                config.breaker_failures, config.base_url, config.breaker_cooldown_s,
+            )
+        elif was_open and reached:
+            log.info("verifier circuit breaker closed: %s answers again", config.base_url)
+
+    def _attempt(self, body: dict, logprobs: bool) -> _Attempt:
+        """One HTTP request; raises VerifierError (and stops the verifier) on an answer no retry fixes."""
+        import openai
+
+        try:
+            reply = self._client.chat.completions.create(**body, extra_body=dict(self.config.extra_body) or None)
+        except openai.APITimeoutError:
+            return _Attempt(None, "timeouts")
+        except openai.APIConnectionError:
+            return _Attempt(None, "connection_errors")
+        except openai.APIStatusError as error:
+            if not is_fatal_status(error.status_code):
+                return _Attempt(None, "server_errors", retry_after_s(error.response.headers))
+            said = error.message.replace(self._api_key, "***") if self._api_key else error.message
+            fatal = VerifierError(
+                f"the verifier endpoint {self.config.base_url} answered HTTP {error.status_code} ({said}); "
+                f"check the URL, the model name {self.config.model!r} and ${self.config.api_key_env}"
+            )
+            with self._lock:
+                self._fatal = self._fatal or fatal
+            raise fatal from None  # the client's error holds the request, key included
+        except (openai.OpenAIError, ValueError):  # a 200 whose body is not JSON
+            return _Attempt(None, "bad_replies")
+        try:
+            raw = reply_content(reply, logprobs)
+        except (AttributeError, IndexError, TypeError):
+            return _Attempt(None, "bad_replies")
+        usage = getattr(reply, "usage", None)
+        if usage is not None:
+            self._count(input_tokens=usage.prompt_tokens or 0, output_tokens=usage.completion_tokens or 0)
+        return _Attempt(raw)
+
     def _request(self, prompt: str, parse: Callable, logprobs: bool):
         """The parsed answer to one prompt, from the cache or the endpoint; None on failure."""
+        if self._fatal is not None:  # the endpoint refused; send nothing more
+            raise self._fatal
         body = {
             "model": self.config.model,
             "messages": [{"role": "user", "content": prompt}],
@@ -193,46 +425,43 @@ class OpenAIVerifier:
             "max_tokens": 1 if logprobs else self.config.max_tokens,
             **({"logprobs": True, "top_logprobs": 20} if logprobs else {}),
         }
-        key = hashlib.sha256(json.dumps([VERIFIER_PROMPT_VERSION, body, self.config.extra_body]).encode()).hexdigest()
-        path = self._cache / f"{key}.json" if self._cache else None
-        if path is not None and path.exists():
+        path = self._cache_path(body)
+        cached = self._read_cache(path, parse)
+        if cached is not None:
             self._count(cache_hits=1)
-            return json.loads(path.read_text())
+            return cached
+        if self._breaker_open():
+            self._count(breaker_skips=1)
+            return None
+        wait = 0.0
         for attempt in range(self.config.max_retries + 1):
             if attempt:
                 self._count(retries=1)
-                time.sleep(self.config.backoff_s * 2 ** (attempt - 1))
+                time.sleep(wait)
             self._count(calls=1)
             started = time.perf_counter()
-            try:
-                reply = self._client.chat.completions.create(**body, extra_body=dict(self.config.extra_body) or None)
-                choice = reply.choices[0]
-                if logprobs:
-                    content = choice.logprobs.content if choice.logprobs else None
-                    top = [(t.token, t.logprob) for t in content[0].top_logprobs] if content else []
-                    answer = parse(top)
-                else:
-                    answer = parse(choice.message.content or "")
-            except Exception:  # network errors, HTTP errors, timeouts, malformed replies: retry
-                answer = None
-            else:
-                usage = getattr(reply, "usage", None)
-                if usage is not None:
-                    self._count(input_tokens=usage.prompt_tokens or 0, output_tokens=usage.completion_tokens or 0)
+            outcome = self._attempt(body, logprobs)
+            answer = None if outcome.raw is None else parse(outcome.raw)
             if answer is not None:
                 self._count(latency_s=time.perf_counter() - started)
-                if path is not None:
-                    tmp = path.with_suffix(f".tmp{threading.get_ident()}")
-                    tmp.write_text(json.dumps(answer))
-                    tmp.replace(path)
+                self._write_cache(path, outcome.raw)
+                self._record(reached=True)
                 return answer
+            self._count(**{outcome.fault or "unparsed": 1})
+            server_wait = outcome.retry_after_s
+            wait = self.config.backoff_s * 2**attempt if server_wait is None else min(server_wait, self.config.max_retry_after_s)
         self._count(failures=1)
+        self._record(reached=outcome.raw is not None)
         return None
 
     def score_many(self, task: str, trajectories: Sequence[Trajectory], bundles: Sequence[Sequence[str]]) -> list[np.ndarray]:
+        """Raises VerifierError when the endpoint refuses (see ``is_fatal_status``); every other
+        fault leaves NaN for the pairs it hit."""
         def count_tokens(text: str) -> int:
             return len(text) // 4
 
+        if self._cache is not None and self._endpoint is None:  # before the workers, so fetched once
+            self._endpoint = self._endpoint_name()
         texts = [render_trajectory(t, self.config.trajectory_budget_tokens, count_tokens) for t in trajectories]
         jobs = []  # (bundle, trajectory, criterion or None, prompt, parse, logprobs)
         for b, criteria in enumerate(bundles):
