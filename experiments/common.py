@@ -88,7 +88,7 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
     rubric_tokens = 256 if c.uses_rubrics else 0
     seq_len = c.rollout.max_prompt_tokens + rubric_tokens + 2 * (8 + c.rollout.max_response_tokens)
     e = estimate.estimate(model, rows=c.minibatch_rows, seq_len=seq_len, response_len=c.rollout.max_response_tokens,
-                          devices=devices, micro_batches=c.micro_batches, fsdp=c.fsdp)  # fmt: skip
+                          devices=devices, micro_batches=c.micro_batches, fsdp=c.fsdp, reference=bool(c.loss.kl_coef))  # fmt: skip
     episodes = c.updates * c.n_tasks * c.group_size
     gb = estimate.GB
     lines = [
@@ -98,14 +98,28 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
         f"minibatch: {c.minibatch_rows} rows x {seq_len} tokens (prompt {c.rollout.max_prompt_tokens}, rubric {rubric_tokens}, "
         f"2 x (tail 8 + response {c.rollout.max_response_tokens})), {c.micro_batches} micro-batches",
         "memory per device (GB): "
-        f"params {e.param_bytes / gb:.1f}, grads {e.grad_bytes / gb:.1f}, AdamW {e.optimizer_bytes / gb:.1f}, "
+        f"params {e.param_bytes / gb:.1f}, reference {e.reference_bytes / gb:.1f}, grads {e.grad_bytes / gb:.1f}, AdamW {e.optimizer_bytes / gb:.1f}, "
         f"accumulator {e.accumulator_bytes / gb:.1f}, gathered {e.gathered_bytes / gb:.1f}, "
         f"activations {e.activation_bytes / gb:.1f} -> total {e.total_bytes / gb:.1f} of {e.device_memory / gb:.0f} "
         f"({'fits' if e.fits else 'DOES NOT FIT'}, 90% usable)",
         f"interaction budget: {c.updates} updates x {c.n_tasks} tasks x {c.group_size} rollouts = {episodes} episodes, "
         f"at most {episodes * c.rollout.max_steps} environment steps",
     ]
+    a = c.advantage
+    episodes_per_update = c.n_tasks * c.group_size
+    steps = [c.ppo_epochs * -(-n // c.minibatch_rows) for n in (episodes_per_update, episodes_per_update * c.rollout.max_steps)]
+    lines += [
+        f"reward: {c.env.reward} ({'10 x success' if c.env.reward == 'success' else '10 x score'}); "
+        f"invalid answers ({a.invalid} rule) cost {a.invalid_penalty}",
+        f"advantage: {'GiGPO' if c.method == 'gigpo' else 'GRPO'}, {'mean-std' if a.normalize_std else 'mean-only'} "
+        f"normalisation over the group's {'step samples' if a.across_steps else 'trajectories'}",
+        f"KL to the initial policy: {f'k3, coefficient {c.loss.kl_coef}' if c.loss.kl_coef else 'off'}",
+        f"mini-batch: {c.minibatch_rows} step samples, {c.ppo_epochs} PPO epoch(s); optimizer steps per update: "
+        f"{steps[0]} to {steps[1]} ({episodes_per_update} to {episodes_per_update * c.rollout.max_steps} step samples)",
+        f"evaluation: {', '.join(c.eval_splits)}, {c.eval_games} tasks each",
+    ]
     if c.uses_rubrics:
+        lines.append(f"rubric selection: {c.selection_mode}, rank-correlated with the group's {c.rubric.rank_by}s")
         lines.append(f"rubrics: {c.updates * c.n_tasks * c.rubric.candidates} bundles written; verifier "
                      f"{c.verifier.kind}{' ' + c.verifier.endpoint.model if c.verifier.endpoint else ''}")  # fmt: skip
     if not e.fits:
@@ -138,6 +152,6 @@ def main(env: str, doc: str, argv: list[str] | None = None) -> None:
             print(f"{name:>14}: {(out / path).resolve()}")
     if policy.exists():
         print(f"{'final policy':>14}: {policy.resolve()}")
-    evals = sorted((out / "eval").glob("*/eval.md"))
-    if evals:
-        print(f"\n{evals[-1].read_text()}")
+    updates = sorted((out / "eval").glob("*/"))
+    for table in sorted(updates[-1].glob("*/eval.md")) if updates else ():
+        print(f"\n{table.read_text()}")

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policy", help="Hugging Face directory or registry name (default: the preset's initial policy)")
     p.add_argument("--env", default="alfworld", choices=["alfworld", "webshop"])
     p.add_argument("--preset", default="cpu-demo", choices=sorted(PRESETS))
-    p.add_argument("--split", help="ALFWorld: valid_seen or valid_unseen; WebShop: test (default: the preset's)")
+    p.add_argument("--split", help="ALFWorld: valid_seen or valid_unseen; WebShop: test (default: the preset's first)")
     p.add_argument("--games", type=int, help="tasks to evaluate (default: the preset's eval_games)")
     p.add_argument("--task-types", type=task_types, help="ALFWorld task types, comma-separated (default: the preset's)")
     p.add_argument("--temperature", type=float, help="default: the preset's eval temperature")
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="runs/eval", help="output directory")
     args = p.parse_args(argv)  # before any game loads: the planner overwrites sys.argv
     config = preset(args.preset, args.env)
-    env = dataclasses.replace(config.env, eval_split=args.split or config.env.eval_split,
+    split = args.split or config.eval_splits[0]
+    env = dataclasses.replace(config.env, eval_splits=(split,),
                               data_dir=args.data_dir or config.env.data_dir,
                               task_types=args.task_types or config.env.task_types)  # fmt: skip
     config = dataclasses.replace(config, env=env)
@@ -82,10 +83,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         policy = resolve(config.model.name)
     suite = make_suite(config)
-    tasks = suite.eval[: args.games or config.eval_games]
+    tasks = suite.eval[split][: args.games or config.eval_games]
     rollout = dataclasses.replace(config.rollout, temperature=config.eval_temperature if args.temperature is None else args.temperature)
     out = pathlib.Path(args.out)
-    summary = evaluate_policy(policy, suite, tasks, rollout, out, args.sampler, f"{policy} on {env.eval_split}")
+    summary = evaluate_policy(policy, suite, tasks, rollout, out, args.sampler, f"{policy} on {split}")
     print((out / "eval.md").read_text())
     print(", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
 

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         root = default_games(run.difficulty, run.games_seed, run.train_games, run.eval_games)
         tasks = load_split(root, "valid_seen", args.task_types)[: args.eval_games]
         eval_rollout = dataclasses.replace(rollout, temperature=args.eval_temperature)
-        suite = EnvSuite("alfworld", functools.partial(AlfworldEnv, max_steps=rollout.max_steps), build_prompt, (), tuple(tasks))
+        suite = EnvSuite("alfworld", functools.partial(AlfworldEnv, max_steps=rollout.max_steps), build_prompt, (), {"valid_seen": tuple(tasks)})
         summary = evaluate_policy(policy, suite, tasks, eval_rollout, out, args.sampler, "warm start")
         info = json.loads((out / "warmstart.json").read_text())
         (out / "warmstart.json").write_text(json.dumps(info | {"eval": summary}, indent=2))

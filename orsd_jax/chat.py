@@ -8,8 +8,10 @@ prefix-compatible sibling of the ids with one (the rubric of ORSD is such an ins
 the end of the user turn), and the same user text always gives the same ids.
 
 Qwen3's template takes ``enable_thinking``; with thinking off it pre-fills an empty
-``<think></think>`` block after the assistant header. SmolLM2's template inserts its default
-system prompt when none is given.
+``<think></think>`` block after the assistant header. That block is the start of the assistant's
+answer (``ChatFormat.prefill``): the answer parser reads it before the sampled text, so a Qwen3
+answer of ``<action>...</action>`` alone has both tag pairs. SmolLM2's template inserts its
+default system prompt when none is given, and pre-fills nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class ChatFormat:
     head: tuple[int, ...]  # template tokens before the user text
     tail: tuple[int, ...]  # end of the user turn up to where the assistant's answer starts
     stop_token_ids: tuple[int, ...]  # tokens that end an assistant turn
+    prefill: str = ""  # the answer's start that the template writes after the assistant header
 
 
 def chat_format(tokenizer, *, system: str | None = None, thinking: bool = False) -> ChatFormat:
@@ -37,10 +40,12 @@ def chat_format(tokenizer, *, system: str | None = None, thinking: bool = False)
     if text.count(_SENTINEL) != 1:
         raise ValueError("the tokenizer's chat template does not place the user text exactly once")
     head, tail = text.split(_SENTINEL)
+    think = tail.find("<think>")
     return ChatFormat(
         head=tuple(encode(tokenizer, head)),
         tail=tuple(encode(tokenizer, tail)),
         stop_token_ids=stop_token_ids(tokenizer),
+        prefill=tail[think:] if think >= 0 else "",
     )
 
 

@@ -12,6 +12,7 @@ import types
 import typing
 from typing import Any
 
+from orsd_jax.advantages import AdvantageConfig, verl_agent_normalize_std
 from orsd_jax.loss import LossConfig
 from orsd_jax.models import EMBEDDED
 from orsd_jax.rollout import RolloutConfig
@@ -22,6 +23,8 @@ from orsd_jax.warmstart import WarmStartConfig, WarmStartRun
 
 METHODS = ("grpo", "gigpo", "orsd", "orsd-single", "orsd-random")
 ENVS = ("alfworld", "webshop")
+EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "webshop": ("test",)}
+REWARDS = ("success", "score")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,23 +34,15 @@ class EnvConfig:
     games_seed: int = 0
     train_games: int = 200
     eval_games: int = 50  # generated valid_seen / valid_unseen sizes; WebShop: test goals evaluated
-    eval_split: str = "valid_seen"  # ALFWorld: valid_seen (in-distribution) or valid_unseen; WebShop: test
+    # Evaluated splits (empty: every split of the environment, ``EVAL_SPLITS``): ALFWorld's
+    # valid_seen (in distribution) and valid_unseen (out of distribution), as the paper reports.
+    eval_splits: tuple[str, ...] = ()
+    # The outcome reward: "success" (verl-agent: 10 if won, else 0) or "score" (10 x the
+    # environment's score in [0, 1]; WebShop's partial credit, ALFWorld's score is its success).
+    reward: str = "success"
     data_dir: str | None = None  # WebShop data ($WEBSHOP_DATA when None)
     task_types: tuple[str, ...] = ()  # ALFWorld task types played, trained and evaluated (empty: all)
     workers: int | None = None  # environment worker processes (None: one per core)
-
-
-@dataclasses.dataclass(frozen=True)
-class AdvantageConfig:
-    """GRPO / GiGPO per step sample. The invalid-answer penalty enters as a negative reward on
-    the step that gave it: summed into the trajectory's outcome (per-trajectory statistics),
-    per step sample (``across_steps``, verl-agent's default), or into the step reward (GiGPO)."""
-
-    across_steps: bool = False
-    normalize_std: bool = True
-    invalid_penalty: float = 0.1
-    gamma: float = 0.95  # GiGPO discount
-    omega: float = 1.0  # GiGPO step-advantage weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +80,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     minibatch_rows: int = 16  # step samples per optimizer step; an update takes as many as it needs
+    ppo_epochs: int = 1  # passes over an update's step samples (verl-agent: 1)
     micro_batches: int = 1
     devices: int | None = None  # mesh size (None: every device)
     fsdp: bool = False
@@ -104,6 +100,13 @@ class TrainConfig:
             raise ValueError(f"unknown environment {self.env.name!r}; expected one of {ENVS}")
         if self.env.task_types and self.env.name != "alfworld":
             raise ValueError("task_types selects ALFWorld task types; other environments have none")
+        if self.env.reward not in REWARDS:
+            raise ValueError(f"unknown reward {self.env.reward!r}; expected one of {REWARDS}")
+        unknown = set(self.env.eval_splits) - set(EVAL_SPLITS[self.env.name])
+        if unknown:
+            raise ValueError(f"unknown {self.env.name} splits {sorted(unknown)}; expected some of {EVAL_SPLITS[self.env.name]}")
+        if self.ppo_epochs < 1:
+            raise ValueError(f"ppo_epochs must be at least 1, got {self.ppo_epochs}")
         if self.group_size < 2:
             raise ValueError("group_size must be at least 2: advantages compare trajectories of a group")
         if self.rubric.constrained and self.sampler != "vllm":
@@ -120,9 +123,17 @@ class TrainConfig:
     def selection_mode(self) -> str:
         return {"orsd": "spearman", "orsd-single": "single", "orsd-random": "random"}[self.method]
 
+    @property
+    def eval_splits(self) -> tuple[str, ...]:
+        return self.env.eval_splits or EVAL_SPLITS[self.env.name]
+
     def resolved(self) -> "TrainConfig":
-        """The config with the method's implications applied (GRPO/GiGPO: no correction; single: K = 1)."""
+        """The config with the method's implications applied (GRPO/GiGPO: no correction; single: K = 1;
+        an unset normalisation: verl-agent's for the method and environment)."""
         c = self
+        if c.advantage.normalize_std is None:
+            normalize = verl_agent_normalize_std(c.method, c.env.name)
+            c = dataclasses.replace(c, advantage=dataclasses.replace(c.advantage, normalize_std=normalize))
         if not c.uses_rubrics:
             c = dataclasses.replace(c, loss=dataclasses.replace(c.loss, coef=0.0))
         if c.method == "orsd-single":
@@ -186,15 +197,22 @@ def _cpu_demo(env: str) -> TrainConfig:
         raise ValueError("the cpu-demo preset plays ALFWorld")
     return TrainConfig(
         preset="cpu-demo",
-        env=EnvConfig(name="alfworld", difficulty="easy", eval_split="valid_seen", task_types=_CPU_TASK_TYPES),
+        env=EnvConfig(name="alfworld", difficulty="easy", task_types=_CPU_TASK_TYPES),
         model=ModelSetup(warmstart=_CPU_WARMSTART, remat=False, frozen_layers=26),
         n_tasks=2,
         group_size=4,
         updates=2,
         rollout=dataclasses.replace(_EASY_ROLLOUT, temperature=_CPU_TEMPERATURE),
-        rubric=_CPU_RUBRIC,
+        # Selection ranks returns, not outcomes: with 4 episodes a group rarely has mixed outcomes,
+        # and the invalid-answer penalties still order its episodes, so more groups get a rubric.
+        rubric=dataclasses.replace(_CPU_RUBRIC, rank_by="return"),
         verifier=VerifierSetup(kind="local-vllm", mode="logprob"),
-        loss=LossConfig(entropy_coef=0.0, temperature=_CPU_TEMPERATURE),
+        # No reference KL: two updates at this learning rate barely move the policy, and the
+        # reference forward would cost a third of each train step on two cores.
+        loss=LossConfig(entropy_coef=0.0, temperature=_CPU_TEMPERATURE, kl_coef=0.0),
+        # A 135M policy often names a command that is not admissible; penalising that as well as a
+        # broken format is the only signal against it in groups without a win.
+        advantage=AdvantageConfig(invalid="admissible"),
         optimizer=OptimizerConfig(learning_rate=2e-5, weight_decay=0.0),
         minibatch_rows=16,
         credit_every=1,  # two updates: keep both updates' rubrics and credit (about 50 KB each)
@@ -208,7 +226,7 @@ def _tiny(env: str) -> TrainConfig:
                  num_kv_heads=2, head_dim=16)  # fmt: skip
     return TrainConfig(
         preset="tiny",
-        env=EnvConfig(name=env, difficulty="easy", train_games=8, eval_games=4, eval_split="valid_seen" if env == "alfworld" else "test"),
+        env=EnvConfig(name=env, difficulty="easy", train_games=8, eval_games=4),
         model=ModelSetup(random_shape=shape, remat=False),
         n_tasks=2,
         group_size=2,
@@ -216,6 +234,7 @@ def _tiny(env: str) -> TrainConfig:
         rollout=RolloutConfig(max_steps=2, max_prompt_tokens=1024, max_response_tokens=16),
         rubric=RubricConfig(candidates=2, trajectory_budget_tokens=64, max_new_tokens=24),
         verifier=VerifierSetup(kind="local-jax", mode="logprob"),
+        loss=LossConfig(kl_coef=0.01),  # the paper presets' KL, so the tests run the reference policy
         optimizer=OptimizerConfig(learning_rate=1e-3),
         minibatch_rows=8,
         sampler="jax",
@@ -225,11 +244,20 @@ def _tiny(env: str) -> TrainConfig:
 
 
 def _paper(model: str, env: str) -> TrainConfig:
+    """The paper's setup (Qwen3, 4 A100s, 8 tasks x 8 rollouts, 300 updates) with verl-agent's
+    settings where the paper gives none (its ``examples/*_trainer/run_{alfworld,webshop}.sh``).
+
+    Mini-batches: verl-agent sets ``ppo_mini_batch_size`` 256 (ALFWorld) / 64 (WebShop) and
+    ``ppo_epochs`` 1. verl scales the mini-batch by ``actor_rollout_ref.rollout.n``, which
+    verl-agent leaves at 1 (its group size is ``env.rollout.n``), and splits the batch of step
+    samples into mini-batches of that many rows: 256 / 64 step samples per optimizer step, each
+    sample once per update. ``micro_batches`` keeps one row per device per micro-step.
+    """
     alfworld = env == "alfworld"
+    rows, devices = (256 if alfworld else 64), 4
     return TrainConfig(
         preset=f"paper-{model.split('/')[-1].lower()}",
-        env=EnvConfig(name=env, difficulty="standard", eval_split="valid_seen" if alfworld else "test",
-                      eval_games=140 if alfworld else 500),  # fmt: skip
+        env=EnvConfig(name=env, difficulty="standard", eval_games=140 if alfworld else 500),
         model=ModelSetup(name=model, dtype="float32", compute_dtype="bfloat16", remat=True),
         n_tasks=8,
         group_size=8,
@@ -237,10 +265,14 @@ def _paper(model: str, env: str) -> TrainConfig:
         rollout=RolloutConfig(max_steps=50 if alfworld else 15, max_prompt_tokens=2048 if alfworld else 4096,
                               max_response_tokens=512),  # fmt: skip
         verifier=VerifierSetup(kind="openai", endpoint=DASHSCOPE),
-        advantage=AdvantageConfig(normalize_std=alfworld),  # GiGPO: mean-std on ALFWorld, mean-only on WebShop
-        minibatch_rows=64,
-        micro_batches=16,
-        devices=4,
+        loss=LossConfig(kl_coef=0.01),  # verl-agent: use_kl_loss, low_var_kl (k3), kl_loss_coef 0.01
+        # verl-agent: statistics over step samples, penalties on format failures; normalisation per
+        # method and environment (unset here: TrainConfig.resolved).
+        advantage=AdvantageConfig(across_steps=True, invalid="format"),
+        minibatch_rows=rows,
+        ppo_epochs=1,
+        micro_batches=rows // devices,
+        devices=devices,
         fsdp=model.endswith("4B"),
         eval_every=10,
         eval_games=140 if alfworld else 500,

@@ -44,7 +44,7 @@ class StepCredit:
 @dataclasses.dataclass(frozen=True)
 class GroupRecord:
     task: str
-    rewards: tuple[float, ...]  # returns: outcome reward minus invalid-answer penalties (what selection ranks)
+    rewards: tuple[float, ...]  # returns: outcome reward minus invalid-answer penalties
     candidates: tuple[tuple[str, ...], ...]  # the K bundles' criteria (empty for an unparseable one)
     correlations: tuple[float | None, ...]  # Spearman of each bundle's satisfaction with the rewards
     chosen: int | None

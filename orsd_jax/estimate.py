@@ -79,11 +79,13 @@ class Estimate:
     flops: float  # the whole update, all devices
     devices: int
     device_memory: float
+    reference_bytes: float = 0.0  # the KL's frozen reference policy, sharded like the parameters
 
     @property
     def total_bytes(self) -> float:
         return (
             self.param_bytes
+            + self.reference_bytes
             + self.grad_bytes
             + self.optimizer_bytes
             + self.accumulator_bytes
@@ -109,9 +111,11 @@ def estimate(
     fsdp: bool = False,
     chunk_size: int = 64,
     device_memory_gb: float = 80.0,
+    reference: bool = False,
 ) -> Estimate:
     """One update over ``rows`` packed rows (global) of ``seq_len`` tokens with ``response_len``
-    response tokens each, on ``devices`` data-parallel devices."""
+    response tokens each, on ``devices`` data-parallel devices; ``reference``: with the KL's
+    reference policy (its parameters, and a forward without gradient per step)."""
     c = config
     p_bytes = np.dtype(c.param_dtype).itemsize
     a_bytes = np.dtype(c.compute_dtype).itemsize
@@ -129,7 +133,7 @@ def estimate(
     kept = tokens * d * a_bytes * c.num_layers + one_layer if c.remat else one_layer * c.num_layers
     mask = rows_per_step * seq_len**2  # bool [B, T, T]
     logits = 3 * rows_per_step * min(chunk_size, 2 * response_len) * c.vocab_size * 4
-    flops = forward_flops(c, rows, seq_len, 2 * response_len) * (4 if c.remat else 3)
+    flops = forward_flops(c, rows, seq_len, 2 * response_len) * ((4 if c.remat else 3) + reference)
     return Estimate(
         params=n,
         param_bytes=n * p_bytes / shard,
@@ -141,6 +145,7 @@ def estimate(
         flops=flops,
         devices=devices,
         device_memory=device_memory_gb * GB,
+        reference_bytes=n * p_bytes / shard if reference else 0.0,
     )
 
 

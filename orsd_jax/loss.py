@@ -13,7 +13,9 @@ Per response token ``j`` of step sample ``i`` (``l+``/``l-``: log-probs with/wit
     loss   = pg + kl_coef * k3(l_ref, l-) - entropy_coef * H
 
 ``l+`` comes from the same forward as ``l-`` (the packed layout of ``orsd_jax.batch``) and is
-under stop-gradient.
+under stop-gradient. ``l_ref`` is a frozen reference policy's (the initial policy, verl-agent's
+``use_kl_loss``): ``batch.ref_logp`` when the batch carries it, else computed in the same step
+from the reference model the train step hands the loss.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = 3.0  # bounds the loss of negative-advantage tokens; None: off
-    kl_coef: float = 0.0  # k3 KL to ``batch.ref_logp`` (verl-agent: 0.01); needs reference log-probs
+    kl_coef: float = 0.0  # k3 KL to the reference policy (verl-agent: 0.01; the paper presets use it)
     entropy_coef: float = 0.001
     temperature: float = 1.0  # the sampler's: logits are divided by it
     chunk_size: int = 64  # response positions per LM-head chunk
@@ -108,7 +110,8 @@ def policy_loss(
     }
     if config.kl_coef:
         if batch.ref_logp is None:
-            raise ValueError("kl_coef > 0 needs reference log-probs in the batch (StepSample.ref_logprobs)")
+            raise ValueError("kl_coef > 0 needs reference log-probs: a reference model (make_train_step("
+                             "with_reference=True)) or StepSample.ref_logprobs")  # fmt: skip
         ref_kl = jnp.clip(_k3(jnp.clip(batch.ref_logp - logp, -20.0, 20.0)), -10.0, 10.0)
         per_token = per_token + config.kl_coef * ref_kl
         sums["ref_kl"] = jnp.sum(jax.lax.stop_gradient(ref_kl) * mask)
@@ -144,11 +147,18 @@ class OrsdLoss:
 
     config: LossConfig = LossConfig()
 
-    def __call__(self, model: CausalLM, batch: Batch):
+    def __call__(self, model: CausalLM, batch: Batch, reference: CausalLM | None = None):
         c = self.config
         logp_with, logp, entropy = response_logprobs(
             model, batch, temperature=c.temperature, chunk_size=c.chunk_size, with_rubric=c.coef != 0
         )
+        if c.kl_coef and reference is not None and batch.ref_logp is None:
+            # The reference's forward reads the packed rows as the policy's does (its with-rubric
+            # branch is computed and ignored); no gradient and no LM head for the other branch.
+            _, ref_logp, _ = response_logprobs(
+                reference, batch, temperature=c.temperature, chunk_size=c.chunk_size, with_rubric=False
+            )
+            batch = batch.replace(ref_logp=jax.lax.stop_gradient(ref_logp))
         return policy_loss(logp, entropy, logp_with, batch, c)
 
     @staticmethod

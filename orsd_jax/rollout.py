@@ -48,10 +48,16 @@ class Step:
     response_text: str
     observation: str  # the environment text the action was chosen on (the GiGPO anchor)
     action: str | None  # parsed action, None when the answer had no action tags
-    valid: bool  # well formed and admissible
+    valid_format: bool  # think and action tags, no CJK (verl-agent's validity)
+    admissible: bool  # the action is one the environment admits
     reward: float  # environment reward of this transition
     truncated: bool  # the prompt was cut to fit the budget
     weight_version: int
+
+    @property
+    def valid(self) -> bool:
+        """Well formed and admissible."""
+        return self.valid_format and self.admissible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +71,6 @@ class Trajectory:
     def reward(self) -> float:
         """Outcome reward: the sum of environment rewards (verl-agent: 10 if won, else 0)."""
         return float(sum(s.reward for s in self.steps))
-
-    @property
-    def invalid_steps(self) -> int:
-        return sum(not s.valid for s in self.steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +179,8 @@ def collect_groups(
         # One seed per turn; samplers draw independent samples for the prompts of one call.
         completions = sampler.generate([ids for _, ids, _ in prompts], dataclasses.replace(params, seed=seed * 1000 + turn))
         sampler_seconds += time.perf_counter() - t0
-        parsed = [parse_action(c.text, current[i].admissible_actions) for i, c in zip(live, completions)]
+        # The answer starts with what the chat template pre-filled (Qwen3's empty think block).
+        parsed = [parse_action(fmt.prefill + c.text, current[i].admissible_actions) for i, c in zip(live, completions)]
         actions: list[str | None] = [None] * n
         for i, p in zip(live, parsed):
             actions[i] = p.action or ""  # an unparseable answer is a no-op that still uses a step
@@ -195,7 +198,8 @@ def collect_groups(
                     response_text=c.text,
                     observation=current[i].observation,
                     action=p.action,
-                    valid=p.valid,
+                    valid_format=p.valid_format,
+                    admissible=p.admissible,
                     reward=result.reward,
                     truncated=cut,
                     weight_version=c.weight_version,

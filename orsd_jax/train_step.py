@@ -8,7 +8,9 @@ largest non-layer axis that the device count divides), and XLA inserts the colle
 JAX 0.8) and no ``shard_map``: the step is written for one device and runs on any mesh.
 
 A loss is any object with ``__call__(model, batch) -> (loss_sum, token_count, metric_sums)`` and
-``metrics(metric_sums, token_count) -> dict``; ``orsd_jax.loss.OrsdLoss`` is one. Sums make the
+``metrics(metric_sums, token_count) -> dict``; ``orsd_jax.loss.OrsdLoss`` is one. A step built
+``with_reference`` also hands the loss a frozen reference model (``__call__(model, batch,
+reference)``): its parameters stay on the devices, sharded like the policy's. Sums make the
 token mean exact under micro-batching: gradients of the sums are added over micro-batches and
 divided once by the total token count.
 """
@@ -32,11 +34,12 @@ DATA = "data"
 
 
 class Loss(Protocol):
-    """``(model, batch) -> (loss_sum, token_count, metric_sums, per_row)``: ``per_row`` holds
-    ``[B, ...]`` arrays the step hands back as they are (e.g. per-token values), possibly none."""
+    """``(model, batch[, reference]) -> (loss_sum, token_count, metric_sums, per_row)``: ``per_row``
+    holds ``[B, ...]`` arrays the step hands back as they are (e.g. per-token values), possibly
+    none; ``reference`` is a frozen model, given only to steps built ``with_reference``."""
 
     def __call__(
-        self, model: nnx.Module, batch: Batch
+        self, model: nnx.Module, batch: Batch, *reference: nnx.Module
     ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array], dict[str, jax.Array]]: ...
 
     def metrics(self, sums: dict[str, jax.Array], token_count: jax.Array) -> dict[str, jax.Array]: ...
@@ -139,10 +142,16 @@ def state_shardings(state: Any, mesh: Mesh, fsdp: bool = False) -> Any:
 
 
 def loss_and_grads(
-    loss: Loss, graphdef: nnx.GraphDef, params: nnx.State, batch: Any, micro_batches: int = 1
+    loss: Loss,
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    batch: Any,
+    micro_batches: int = 1,
+    reference: nnx.State | None = None,
 ) -> tuple[nnx.State, jax.Array, dict[str, jax.Array], dict[str, jax.Array]]:
     """``(grads, loss, metrics, per_row)`` of the token-mean loss over the whole batch (``per_row``:
-    the loss's ``[B, ...]`` arrays, rows in batch order).
+    the loss's ``[B, ...]`` arrays, rows in batch order). ``reference``: frozen parameters of the
+    same graph, handed to the loss as a model (no gradient flows into them).
 
     ``batch`` is a ``Batch`` or any pytree of arrays with rows on their leading axis.
 
@@ -155,8 +164,10 @@ def loss_and_grads(
         raise ValueError(f"{b} rows do not split into {micro_batches} micro-batches")
 
     def sums_and_grads(micro):
+        frozen = () if reference is None else (nnx.merge(graphdef, reference),)
+
         def f(p):
-            loss_sum, count, sums, rows = loss(nnx.merge(graphdef, p), micro)
+            loss_sum, count, sums, rows = loss(nnx.merge(graphdef, p), micro, *frozen)
             return loss_sum, (count, sums, rows)
 
         (loss_sum, (count, sums, rows)), grads = jax.value_and_grad(f, has_aux=True)(params)
@@ -189,11 +200,17 @@ def loss_and_grads(
 
 
 def make_train_step(
-    loss: Loss, optimizer: optax.GradientTransformation, graphdef: nnx.GraphDef, state_sharding: Any
+    loss: Loss,
+    optimizer: optax.GradientTransformation,
+    graphdef: nnx.GraphDef,
+    state_sharding: Any,
+    with_reference: bool = False,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]]:
-    """``step(state, batch, micro_batches=1) -> (state, metrics, per_row)``, jit-compiled over the
-    mesh of ``state_sharding`` (from ``init_train_state``); ``per_row`` is the loss's ``[B, ...]``
-    arrays at the parameters the step started from.
+    """``step(state, batch, micro_batches=1, reference=None) -> (state, metrics, per_row)``,
+    jit-compiled over the mesh of ``state_sharding`` (from ``init_train_state``); ``per_row`` is
+    the loss's ``[B, ...]`` arrays at the parameters the step started from. ``with_reference``:
+    every call passes ``reference``, frozen parameters sharded like ``state.params`` (placed once,
+    never donated), which the loss reads as a model.
 
     The input state is donated. The batch may be numpy: it is split over ``"data"`` on the way
     in, so its row count must divide evenly (``build_batch(..., batch_multiple=devices *
@@ -202,8 +219,8 @@ def make_train_step(
     """
     mesh = jax.tree.leaves(state_sharding)[0].mesh
 
-    def step(state: TrainState, batch: Batch, micro_batches: int):
-        grads, loss_value, metrics, rows = loss_and_grads(loss, graphdef, state.params, batch, micro_batches)
+    def step(state: TrainState, batch: Batch, reference: nnx.State | None, micro_batches: int):
+        grads, loss_value, metrics, rows = loss_and_grads(loss, graphdef, state.params, batch, micro_batches, reference)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = metrics | {"loss": loss_value, "grad_norm": optax.tree.norm(grads)}
@@ -211,9 +228,16 @@ def make_train_step(
 
     jitted = jax.jit(
         step,
-        in_shardings=(state_sharding, NamedSharding(mesh, P(DATA))),
+        in_shardings=(state_sharding, NamedSharding(mesh, P(DATA)), state_sharding.params if with_reference else None),
         out_shardings=(state_sharding, NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA))),
-        static_argnums=2,
+        static_argnums=3,
         donate_argnums=0,
     )
-    return lambda state, batch, micro_batches=1: jitted(state, batch, micro_batches)
+
+    def call(state: TrainState, batch: Batch, micro_batches: int = 1, reference: nnx.State | None = None):
+        if (reference is not None) != with_reference:
+            raise ValueError(f"this step was built with_reference={with_reference}; reference parameters "
+                             f"{'missing' if with_reference else 'given'}")  # fmt: skip
+        return jitted(state, batch, reference, micro_batches)
+
+    return call

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from orsd_jax import chat, evaluation
-from orsd_jax.advantages import gigpo_advantages, grpo_advantages
+from orsd_jax.advantages import AdvantageConfig, rank_targets, returns, step_advantages
 from orsd_jax.batch import PAD, StepSample, build_batch
 from orsd_jax.checkpoints import Checkpoints
 from orsd_jax.config import TrainConfig, to_json
@@ -50,7 +50,7 @@ class EnvSuite:
     make_env: Callable[[], TextEnv]  # picklable, for spawned workers
     build_prompt: PromptBuilder
     train: tuple[Task, ...]
-    eval: tuple[Task, ...]
+    eval: dict[str, tuple[Task, ...]]  # evaluation split -> its tasks, in sweep order
 
 
 def make_suite(config: TrainConfig) -> EnvSuite:
@@ -59,17 +59,18 @@ def make_suite(config: TrainConfig) -> EnvSuite:
         from orsd_jax.envs import alfworld
 
         root = alfworld.default_games(e.difficulty, e.games_seed, e.train_games, e.eval_games)
-        train, evaluation = (alfworld.load_split(root, split, e.task_types) for split in ("train", e.eval_split))
+        splits = {split: tuple(alfworld.load_split(root, split, e.task_types)) for split in ("train", *config.eval_splits)}
         return EnvSuite(
             "alfworld", functools.partial(alfworld.AlfworldEnv, max_steps=steps), alfworld.build_prompt,
-            tuple(train), tuple(evaluation),
-        )
+            splits.pop("train"), splits,
+        )  # fmt: skip
     from orsd_jax.envs import webshop
 
     return EnvSuite(
-        "webshop", functools.partial(webshop.WebShopEnv, e.data_dir, max_steps=steps), webshop.build_prompt,
-        tuple(webshop.load_goals(e.data_dir, "train")), tuple(webshop.load_goals(e.data_dir, "test")),
-    )
+        "webshop", functools.partial(webshop.WebShopEnv, e.data_dir, max_steps=steps, reward=e.reward),
+        webshop.build_prompt, tuple(webshop.load_goals(e.data_dir, "train")),
+        {split: tuple(webshop.load_goals(e.data_dir, split)) for split in config.eval_splits},
+    )  # fmt: skip
 
 
 def tasks_for_update(train: Sequence[Task], n_tasks: int, seed: int, update: int) -> list[Task]:
@@ -80,42 +81,6 @@ def tasks_for_update(train: Sequence[Task], n_tasks: int, seed: int, update: int
         order = list(range(len(train)))
         random.Random(f"{seed}/epoch{epoch}").shuffle(order)
         out.append(train[order[pos]])
-    return out
-
-
-def returns(group: Group, invalid_penalty: float) -> np.ndarray:
-    """``float[G]``: each trajectory's outcome reward minus the penalty of its invalid answers, the
-    ``R`` of the GRPO advantage and of the rubric selection."""
-    return np.array([t.reward - invalid_penalty * t.invalid_steps for t in group.trajectories])
-
-
-def step_advantages(groups: Sequence[Group], config: TrainConfig) -> list[list[np.ndarray]]:
-    """Per group, per trajectory, ``float[steps]``: the advantage of each step sample."""
-    a, penalty = config.advantage, config.advantage.invalid_penalty
-    rows = [(g, t, s) for g, group in enumerate(groups) for t, traj in enumerate(group.trajectories) for s in traj.steps]
-    group_ids = np.array([g for g, _, _ in rows])
-    if config.method == "gigpo":
-        traj_ids = np.array([g * 10_000 + t for g, t, _ in rows])
-        step_rewards = np.array([s.reward - penalty * (not s.valid) for _, _, s in rows])
-        flat = gigpo_advantages(
-            step_rewards, group_ids, traj_ids, [s.observation for _, _, s in rows], gamma=a.gamma, omega=a.omega,
-            normalize_std=a.normalize_std, across_steps=a.across_steps,
-        )
-    elif a.across_steps:  # verl-agent: each step sample's own penalised reward, statistics over samples
-        outcome = {(g, t): traj.reward for g, group in enumerate(groups) for t, traj in enumerate(group.trajectories)}
-        sample_rewards = np.array([outcome[(g, t)] - penalty * (not s.valid) for g, t, s in rows])
-        flat = grpo_advantages(sample_rewards, group_ids, a.normalize_std)
-    else:  # per-trajectory statistics of the penalised outcome
-        totals = np.concatenate([returns(group, penalty) for group in groups])
-        owners = np.concatenate([[g] * len(group.trajectories) for g, group in enumerate(groups)])
-        per_traj = grpo_advantages(totals, owners, a.normalize_std)
-        flat = np.repeat(per_traj, [len(t.steps) for group in groups for t in group.trajectories])
-    out, i = [], 0
-    for group in groups:
-        out.append([])
-        for traj in group.trajectories:
-            out[-1].append(flat[i : i + len(traj.steps)])
-            i += len(traj.steps)
     return out
 
 
@@ -224,7 +189,7 @@ def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out:
     return OpenAIVerifier(endpoint), server
 
 
-def _save_step(out: pathlib.Path, update: int, invalid_penalty: float, groups, rubrics, index, minibatches) -> None:
+def _save_step(out: pathlib.Path, update: int, advantage: AdvantageConfig, groups, rubrics, index, minibatches) -> None:
     """What the credit maps show: groups (text), rubric candidates and selection, per-token values."""
     directory = out / "steps" / f"{update:05d}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -233,9 +198,9 @@ def _save_step(out: pathlib.Path, update: int, invalid_penalty: float, groups, r
             {"task": dataclasses.asdict(g.task), "trajectories": [
                 {"won": t.won, "score": t.score, "reward": t.reward, "return": float(r), "steps": [
                     {"observation": s.observation, "response": s.response_text, "action": s.action,
-                     "valid": s.valid, "reward": s.reward, "response_ids": list(s.response_ids)}
+                     "valid": s.valid, "valid_format": s.valid_format, "reward": s.reward, "response_ids": list(s.response_ids)}
                     for s in t.steps]}
-                for t, r in zip(g.trajectories, returns(g, invalid_penalty))]}
+                for t, r in zip(g.trajectories, returns(g, advantage))]}
             for g in groups
         ],
         "rubrics": None if rubrics is None else [
@@ -267,7 +232,11 @@ class Run:
             raise ValueError(f"minibatch_rows {config.minibatch_rows} must divide into {mesh.size} devices x {config.micro_batches} micro-batches")
         optimizer = make_optimizer(config.optimizer, frozen_layers=config.model.frozen_layers)
         self.graphdef, self.state, self.sharding = init_train_state(self.model, optimizer, mesh, config.fsdp)
-        self.train_step = make_train_step(OrsdLoss(config.loss), optimizer, self.graphdef, self.sharding)
+        # The KL's reference policy: the initial policy's parameters, placed once like the policy's
+        # (rebuilt from the same initial weights on resume, so it is not checkpointed).
+        with_reference = bool(config.loss.kl_coef)
+        self.reference = jax.tree.map(jax.numpy.copy, self.state.params) if with_reference else None
+        self.train_step = make_train_step(OrsdLoss(config.loss), optimizer, self.graphdef, self.sharding, with_reference)
         self.checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
         self.sampler = self.sampler_server = self.verifier = self.verifier_server = self.pool = None
 
@@ -307,26 +276,34 @@ def _compile_cache() -> pathlib.Path:
 
 
 def train_minibatches(
-    train_step, state: TrainState, samples: Sequence[StepSample], order: np.ndarray, config: TrainConfig, record: bool
+    train_step,
+    state: TrainState,
+    samples: Sequence[StepSample],
+    orders: Sequence[np.ndarray],
+    config: TrainConfig,
+    record: bool,
+    reference=None,
 ) -> tuple[TrainState, dict[str, float], dict[str, float], list]:
-    """Optimizer steps over ``samples`` taken in ``order``, ``config.minibatch_rows`` at a time.
+    """Optimizer steps over ``samples``, one pass (PPO epoch) per permutation in ``orders``,
+    ``config.minibatch_rows`` at a time; ``reference``: the KL's frozen parameters.
 
     Returns the new state; the loss metrics of the whole update, computed once from the loss sums
     of every minibatch (so the gap statistics are exact over the update, not means of means);
     counts (``tokens``: response tokens; ``row_tokens``: the tokens the forward passes read, the
     packed rows without their padding; ``row_slots``: the same with it); and, when ``record``, per
-    minibatch (rows, the token values its step's loss computed, response mask).
+    minibatch of the first pass (rows, the token values its step's loss computed, response mask).
     """
     totals: dict[str, float] = {}
     weighted = {"loss": 0.0, "grad_norm": 0.0}  # per-step values, token-weighted
     counts, recorded = {"tokens": 0.0, "row_tokens": 0, "row_slots": 0}, []
-    for start in progress(range(0, len(samples), config.minibatch_rows), "train"):
-        rows = order[start : start + config.minibatch_rows].tolist()
+    passes = [(epoch, start) for epoch in range(len(orders)) for start in range(0, len(samples), config.minibatch_rows)]
+    for epoch, start in progress(passes, "train"):
+        rows = orders[epoch][start : start + config.minibatch_rows].tolist()
         batch = build_batch([samples[r] for r in rows], seq_multiple=128, response_multiple=32, batch_multiple=config.minibatch_rows)
         counts["row_tokens"] += int(np.sum(batch.branch != PAD))
         counts["row_slots"] += batch.branch.size
-        state, step_metrics, values = train_step(state, batch, config.micro_batches)
-        if record:
+        state, step_metrics, values = train_step(state, batch, config.micro_batches, reference)
+        if record and epoch == 0:
             recorded.append((rows, {k: np.asarray(v) for k, v in values.items()}, batch.response_mask))
         step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
         for k, v in step_metrics.items():
@@ -358,19 +335,20 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
         t0 = time.perf_counter()
         rng = np.random.default_rng([c.seed, update])
         before = dataclasses.replace(run.verifier.stats)
-        penalty = c.advantage.invalid_penalty
-        rubrics = [verify_and_select(run.verifier, g, b, c.selection_mode, rng, returns(g, penalty), c.rubric.min_correlation)
-                   for g, b in progress(list(zip(groups, bundles)), "verify")]  # fmt: skip
+        targets = [rank_targets(g, c.rubric.rank_by, c.advantage) for g in groups]
+        rubrics = [verify_and_select(run.verifier, g, b, c.selection_mode, rng, r, c.rubric.min_correlation)
+                   for g, b, r in progress(list(zip(groups, bundles, targets)), "verify")]  # fmt: skip
         metrics["time/verification"] = time.perf_counter() - t0
         metrics |= rubric_metrics(rubrics)
         after = run.verifier.stats
         for field in dataclasses.fields(after):
             metrics[f"verifier/{field.name}"] = float(getattr(after, field.name) - getattr(before, field.name))
-    samples, index = step_samples(groups, step_advantages(groups, c), rubrics, run.fmt, run.tokenizer)
-    order = np.random.default_rng([c.seed, update, 1]).permutation(len(samples))
+    samples, index = step_samples(groups, step_advantages(groups, c.method, c.advantage), rubrics, run.fmt, run.tokenizer)
+    rng = np.random.default_rng([c.seed, update, 1])
+    orders = [rng.permutation(len(samples)) for _ in range(c.ppo_epochs)]
     t0 = time.perf_counter()
     record = c.credit_every and (update + 1) % c.credit_every == 0 or update + 1 == c.updates
-    run.state, loss_metrics, counts, recorded = train_minibatches(run.train_step, run.state, samples, order, c, record)
+    run.state, loss_metrics, counts, recorded = train_minibatches(run.train_step, run.state, samples, orders, c, record, run.reference)
     without_rubric = ("gap", "rubric_token_frac")  # meaningless without a rubric stage
     metrics |= {f"loss/{k}": v for k, v in loss_metrics.items() if c.uses_rubrics or not k.startswith(without_rubric)}
     metrics["train/tokens"] = counts["tokens"]
@@ -398,14 +376,18 @@ def update_line(update: int, updates: int, metrics: dict[str, float]) -> str:
 
 
 def evaluate(run: Run, update: int) -> dict[str, float]:
-    """A deterministic sweep over the first ``eval_games`` tasks of the eval split."""
+    """A deterministic sweep over the first ``eval_games`` tasks of each evaluation split, written
+    to ``eval/<update>/<split>/``; metrics ``eval/<split>/<name>``."""
     c = run.config
     rollout = dataclasses.replace(c.rollout, temperature=c.eval_temperature)
-    tasks = run.suite.eval[: c.eval_games]
-    episodes = evaluation.sweep(run.sampler, run.pool, tasks, rollout, seed=c.seed + 7, tokenizer=run.tokenizer,
-                                fmt=run.fmt, build_prompt=run.suite.build_prompt)  # fmt: skip
-    evaluation.write(run.suite.name, episodes, run.out / "eval" / f"{update:05d}", f"{c.method} after {update} updates")
-    return {f"eval/{k}": v for k, v in evaluation.summary(run.suite.name, episodes).items()}
+    metrics = {}
+    for split, tasks in run.suite.eval.items():
+        episodes = evaluation.sweep(run.sampler, run.pool, tasks[: c.eval_games], rollout, seed=c.seed + 7,
+                                    tokenizer=run.tokenizer, fmt=run.fmt, build_prompt=run.suite.build_prompt)  # fmt: skip
+        title = f"{c.method} after {update} updates, {split}"
+        evaluation.write(run.suite.name, episodes, run.out / "eval" / f"{update:05d}" / split, title)
+        metrics |= {f"eval/{split}/{k}": v for k, v in evaluation.summary(run.suite.name, episodes).items()}
+    return metrics
 
 
 def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False, stop_after: int | None = None) -> pathlib.Path:
@@ -443,7 +425,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
                 return out / "policy"
             metrics, artefacts = run_update(run, update)
             if artefacts[3]:
-                _save_step(out, update + 1, c.advantage.invalid_penalty, *artefacts)
+                _save_step(out, update + 1, c.advantage, *artefacts)
             if c.eval_every and (update + 1) % c.eval_every == 0 and update + 1 < c.updates:
                 metrics |= evaluate(run, update + 1)
             metrics_log.write(update + 1, metrics)

@@ -75,9 +75,11 @@ def test_recorded_credit_matches_the_run(run):
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1]
     assert logged["update"] == 2 and len(record.steps) == logged["train/step_samples"]
     groups = json.loads((run / "steps" / "00002" / "step.json").read_text())["groups"]
-    penalty = preset("tiny").advantage.invalid_penalty
+    advantage = preset("tiny").advantage
+    assert advantage.invalid == "format" and not advantage.across_steps
     for g, group in enumerate(groups):
-        outcome = np.array([sum(s["reward"] - penalty * (not s["valid"]) for s in t["steps"]) for t in group["trajectories"]])
+        outcome = np.array([sum(s["reward"] - advantage.invalid_penalty * (not s["valid_format"]) for s in t["steps"])
+                            for t in group["trajectories"]])  # fmt: skip
         expected = (outcome - outcome.mean()) / (outcome.std(ddof=1) + 1e-6)
         for s in (s for s in record.steps if s.group == g):
             np.testing.assert_allclose(s.values["advantage"], expected[s.trajectory], rtol=1e-5, atol=1e-6)
@@ -98,7 +100,7 @@ def test_update_metrics_are_exact_over_minibatches(tmp_path):
     graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(config.loss), optimizer, graphdef, sharding)
     samples = make_samples((True, True, True, False, False, True))  # minibatches with 2, 1 and 1 rubric rows
-    _, metrics, counts, recorded = train_minibatches(step, state, samples, np.arange(6), config, record=True)
+    _, metrics, counts, recorded = train_minibatches(step, state, samples, [np.arange(6)], config, record=True)
     tokens = counts["tokens"]
     assert len(recorded) == 3
     # The forward reads the shared prompt once and the tail and response once per branch.

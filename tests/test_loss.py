@@ -233,7 +233,7 @@ def reference_case():
     with_prompt = [len(q) - len(s.response) for q, s in zip(with_rubric, samples)]
     lw, _ = _sequence_logprobs(graphdef, params, with_rubric, with_prompt, width)
 
-    def loss(p, coef):
+    def loss(p, coef, ref=ref):
         without = [[*s.prefix, *s.tail, *s.response] for s in samples]
         lp, ent = _sequence_logprobs(graphdef, p, without, [len(s.prefix) + len(s.tail) for s in samples], width)
         gap = jnp.where(has, jax.lax.stop_gradient(lw - lp), 0.0)
@@ -242,7 +242,8 @@ def reference_case():
         term = jnp.maximum(-a_hat * ratio, -a_hat * jnp.clip(ratio, 1 - LOSS.clip_low, 1 + LOSS.clip_high))
         term = jnp.where(a_hat < 0, jnp.minimum(term, -a_hat * LOSS.dual_clip), term)
         d = ref - lp
-        term = term + LOSS.kl_coef * (jnp.exp(d) - d - 1) - LOSS.entropy_coef * ent
+        # k3, clamped to [-10, 10] as verl's low_var_kl (a far reference only moves it there).
+        term = term + LOSS.kl_coef * jnp.clip(jnp.exp(d) - d - 1, -10, 10) - LOSS.entropy_coef * ent
         return jnp.sum(term * mask) / jnp.sum(mask)
 
     return samples, fast_jit(jax.value_and_grad(loss))
@@ -300,3 +301,26 @@ def test_coef_zero_is_plain_grpo():
     graphdef, params = tiny_model()
     loss_sum, count, _, _ = fast_jit(lambda p, b: OrsdLoss(config)(nnx.merge(graphdef, p), b))(params, grpo_batch)
     np.testing.assert_allclose(float(loss_sum / count), float(expected_loss), atol=1e-5, rtol=0)
+
+
+def test_kl_to_a_reference_model_in_the_same_step():
+    """With no reference log-probs in the batch, the step's reference model gives them: the loss and
+    gradients equal the independent objective whose reference log-probs come from plain forwards of
+    the reference's own weights (another random model here), and none flows into the reference."""
+    from orsd_jax.train_step import loss_and_grads
+
+    samples, reference = reference_case()
+    graphdef, params = tiny_model()
+    _, ref_params = tiny_model(seed=1)
+    width = max(len(s.response) for s in samples)
+    ref_logp, _ = _sequence_logprobs(graphdef, ref_params, [[*s.prefix, *s.tail, *s.response] for s in samples],
+                                     [len(s.prefix) + len(s.tail) for s in samples], width)  # fmt: skip
+    batch = build_batch([dataclasses.replace(s, ref_logprobs=None) for s in samples], seq_multiple=16)
+    assert batch.ref_logp is None
+    step = fast_jit(lambda p, b, r: loss_and_grads(OrsdLoss(LOSS), graphdef, p, b, reference=r)[:2])
+    grads, loss = step(params, batch, ref_params)
+    expected_loss, expected_grads = reference(params, LOSS.coef, ref_logp)
+    np.testing.assert_allclose(float(loss), float(expected_loss), atol=1e-5, rtol=0)
+    assert_trees_close(grads, expected_grads)
+    # The KL term matters: with the samples' own (other) reference log-probs the loss differs.
+    assert abs(float(reference(params, LOSS.coef)[0]) - float(loss)) > 1e-4

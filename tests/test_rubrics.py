@@ -50,10 +50,10 @@ def test_cleaning_labels_emphasis_and_thinking():
         ("", 0, "empty output"),
         ("   \n ", 0, "empty output"),
         ("The agent should be quick and should look everywhere in the room.", 0, "no list"),
-        ("1. The agent looks in the fridge first.", 1, "1 criteria"),
-        ("\n".join(f"{k}. The agent checks receptacle number {k} early." for k in range(1, 31)), 30, "30 criteria"),
-        ("\n".join(f"{k}. {FIVE[0]}" for k in range(1, 9)), 1, "1 criteria"),  # duplicates collapse
-        (json.dumps([f"{k}. {FIVE[0]}" for k in range(1, 9)]), 1, "1 criteria"),  # also when JSON items are numbered
+        ("1. The agent looks in the fridge first.", 1, "1 distinct criteria"),
+        ("\n".join(f"{k}. The agent checks receptacle number {k} early." for k in range(1, 31)), 30, "30 distinct criteria"),
+        ("\n".join(f"{k}. {FIVE[0]}" for k in range(1, 9)), 1, "1 distinct criteria"),  # duplicates collapse
+        (json.dumps([f"{k}. {FIVE[0]}" for k in range(1, 9)]), 1, "1 distinct criteria"),  # also when JSON items are numbered
         ("\n".join(f"{k}. {c.upper()}!" for k, c in enumerate(FIVE + FIVE[:2], 1)), 5, ""),  # case/punct duplicates
         ("1. ok\n2. yes\n3. no\n4. a b\n5. go", 0, "no list"),  # too short to be criteria
         ('{"criteria": "not a list"}', 0, "no list"),
@@ -97,7 +97,7 @@ def test_a_cut_bundle_loses_its_unfinished_line():
     assert parse_bundle(six).criteria[-1] == "The agent takes the statue from"  # finished text: a line is a line
     assert parse_bundle(six, cut=True).criteria == tuple(FIVE) and parse_bundle(six, cut=True).valid
     five = six.replace(f"5. {FIVE[4]}\n", "")
-    assert parse_bundle(five, cut=True).reason == "4 criteria; a bundle needs 5-8 (cut by the token limit)"
+    assert parse_bundle(five, cut=True).reason == "4 distinct criteria; a bundle needs 5-8 (cut by the token limit)"
     assert parse_bundle("1. The agent goes to the desk", cut=True).reason == "no list of criteria found (cut by the token limit)"
 
 
@@ -118,7 +118,7 @@ def _trajectory(n_steps, won, final_text="Your score (min 0.0, max 1.0) [SEP] 1.
     steps = tuple(
         Step(
             user_text="", prompt_ids=(1,), response_ids=(2,), logprobs=(-0.1,), response_text="",
-            observation=f"observation {k}", action=f"go to cabinet {k}", valid=True,
+            observation=f"observation {k}", action=f"go to cabinet {k}", valid_format=True, admissible=True,
             reward=10.0 if (won and k == n_steps - 1) else 0.0, truncated=False, weight_version=0,
         )
         for k in range(n_steps)
@@ -134,7 +134,7 @@ def test_render_hides_outcomes_and_fits_budget():
     assert len(long.split()) <= 120 and "steps left out" in long
     assert "go to cabinet 0" in long and "go to cabinet 39" in long  # keeps both ends
     prompt = rubric_prompt("put a mug in desk", text, 2)
-    assert "between 5 and 8" in prompt and "Attempt 2 (40 steps)" in prompt
+    assert "between 5 and 8" in prompt and "Attempt 2:\n" in prompt and "steps)" not in prompt
 
 
 def test_render_group_shows_a_common_start_once():

@@ -19,7 +19,8 @@ from orsd_jax.config import preset
 from orsd_jax.envs.base import Task
 from orsd_jax.rollout import Group, Step, Trajectory
 from orsd_jax.rubrics import GroupRubric, ParsedBundle, Selection
-from orsd_jax.trainer import step_advantages, step_samples, tasks_for_update, train
+from orsd_jax.advantages import step_advantages
+from orsd_jax.trainer import step_samples, tasks_for_update, train
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TIMING = ("time/", "rollout/generated_tokens_per_s", "rollout/env_steps_per_s", "train/tokens_per_s", "train/row_tokens_per_s", "verifier/latency_s")
@@ -51,18 +52,22 @@ def test_orsd_logs_the_rubric_stage_and_gap(reference):
         assert r["rubric/groups_with_rubric"] + sum(v for k, v in r.items() if k.startswith("rubric/no_rubric/")) == 2
         assert {"loss/gap_mean", "loss/gap_std", "loss/gap_clip_frac", "loss/gap_adv_corr"} <= set(r)
         assert r["train/step_samples"] == r["rollout/env_steps"]
+    # The KL to the initial policy: zero while the policy is the reference (update 1's one step),
+    # positive once the policy has moved.
+    assert records[0]["loss/ref_kl"] == 0.0 and all(r["loss/ref_kl"] > 0 for r in records[1:4])
     assert (reference / "policy" / "config.json").is_file() and (reference / "eval").is_dir()
     step = json.loads((reference / "steps" / "00004" / "step.json").read_text())
     assert len(step["groups"]) == 2 and len(step["rubrics"]) == 2
     assert len(step["rubrics"][0]["candidates"]) == 2
 
 
-def test_evaluation_tables_agree_with_the_step_transcript(reference):
-    """eval.csv's per-episode counts, eval.md's valid rate and the final metrics are recomputed
-    from eval_steps.jsonl, one row per played step."""
+@pytest.mark.parametrize("split", ["valid_seen", "valid_unseen"])
+def test_evaluation_tables_agree_with_the_step_transcript(reference, split):
+    """Both ALFWorld splits are evaluated; eval.csv's per-episode counts, eval.md's valid rate and
+    the final metrics are recomputed from eval_steps.jsonl, one row per played step."""
     import csv
 
-    folder = reference / "eval" / "00004"
+    folder = reference / "eval" / "00004" / split
     episodes = list(csv.DictReader((folder / "eval.csv").open()))
     steps = [json.loads(line) for line in (folder / "eval_steps.jsonl").read_text().splitlines()]
     assert len(episodes) == preset("tiny").eval_games and steps
@@ -72,7 +77,8 @@ def test_evaluation_tables_agree_with_the_step_transcript(reference):
         assert sum(s["valid"] for s in mine) == int(e["valid_steps"])
     rate = sum(s["valid"] for s in steps) / len(steps)
     assert f"Valid answers: {100 * rate:.1f}% of {len(steps)} steps." in (folder / "eval.md").read_text()
-    assert _metrics(reference)[-1]["eval/valid_step_rate"] == pytest.approx(rate)
+    assert f"after 4 updates, {split}" in (folder / "eval.md").read_text()
+    assert _metrics(reference)[-1][f"eval/{split}/valid_step_rate"] == pytest.approx(rate)
 
 
 @pytest.mark.parametrize("method", ["grpo", "gigpo", "orsd-single", "orsd-random"])
@@ -138,7 +144,7 @@ def test_fresh_run_refuses_to_overwrite(reference):
 
 def _traj(rewards_valid, task="t"):
     steps = tuple(
-        Step(f"u{i}", (1, 2, 3, 9, 9), (4, 5), (-0.5, -0.25), "r", f"obs {i}", "a", valid, reward, False, 0)
+        Step(f"u{i}", (1, 2, 3, 9, 9), (4, 5), (-0.5, -0.25), "r", f"obs {i}", "a", valid, valid, reward, False, 0)
         for i, (reward, valid) in enumerate(rewards_valid)
     )
     return Trajectory(Task("alfworld", task, "pick", task), steps, won=any(r for r, _ in rewards_valid), score=0.0)
@@ -169,14 +175,14 @@ def test_step_advantages_fold_the_invalid_penalty():
     win = _traj([(0.0, True), (10.0, True)])
     lose = _traj([(0.0, False), (0.0, True)])
     groups = [Group(win.task, (win, lose))]
-    config = preset("tiny")
+    config = preset("tiny").resolved().advantage
     # Per trajectory: outcomes 10 and -0.1; mean 4.95, sample std 7.142; every step shares its trajectory's value.
-    adv = step_advantages(groups, dataclasses.replace(config, method="grpo"))
+    adv = step_advantages(groups, "grpo", config)
     std = np.std([10.0, -0.1], ddof=1)
     np.testing.assert_allclose(adv[0][0], [(10 - 4.95) / (std + 1e-6)] * 2, rtol=1e-6)
     np.testing.assert_allclose(adv[0][1], [(-0.1 - 4.95) / (std + 1e-6)] * 2, rtol=1e-6)
     # Across steps (verl-agent): samples 10, 10, -0.1, 0.
-    across = step_advantages(groups, dataclasses.replace(config, method="grpo", advantage=dataclasses.replace(config.advantage, across_steps=True)))
+    across = step_advantages(groups, "grpo", dataclasses.replace(config, across_steps=True))
     values = np.array([10.0, 10.0, -0.1, 0.0])
     expected = (values - values.mean()) / (values.std(ddof=1) + 1e-6)
     np.testing.assert_allclose(np.concatenate(across[0]), expected, rtol=1e-6)
@@ -190,7 +196,7 @@ def test_step_samples_carry_the_rubric_and_the_prompt_split():
     tokenizer = AutoTokenizer.from_pretrained(resolve(EMBEDDED))
     fmt = chat.chat_format(tokenizer)
     prompt = tuple(chat.prompt_ids(fmt, tokenizer, "go somewhere"))
-    step = Step("go somewhere", prompt, (7, 8), (-0.1, -0.2), "r", "o", "a", True, 0.0, False, 0)
+    step = Step("go somewhere", prompt, (7, 8), (-0.1, -0.2), "r", "o", "a", True, True, 0.0, False, 0)
     groups = [Group(Task("alfworld", "k", "pick", "d"), (Trajectory(Task("alfworld", "k", "pick", "d"), (step,), False, 0.0),))]
     criteria = ("The agent checks the desk first.",) * 5
     rubric = GroupRubric((ParsedBundle(criteria, ""),), np.zeros((1, 1)), Selection(0, np.zeros(1), ""))

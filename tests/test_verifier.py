@@ -96,7 +96,7 @@ def serve():
 
 def _trajectories(n=2, same=True):
     def step(i):
-        return Step("", (1,), (2,), (-0.1,), "", "You see a fridge 1.", f"open fridge {1 if same else i}", True, 0.0, False, 0)
+        return Step("", (1,), (2,), (-0.1,), "", "You see a fridge 1.", f"open fridge {1 if same else i}", True, True, 0.0, False, 0)
 
     return [Trajectory(Task("alfworld", "g", "cool", "cool an apple"), (step(i),), False, 0.0) for i in range(n)]
 

@@ -65,6 +65,9 @@ def rubric_metrics(results: Sequence[GroupRubric]) -> dict[str, float]:
     out = {
         "rubric/bundles": float(len(bundles)),
         "rubric/valid_bundles": float(sum(b.valid for b in bundles)),
+        # Repeated criteria (see ``parse``) and the bundles rejected with repeats among them.
+        "rubric/repeated_criteria": float(sum(b.repeats for b in bundles)),
+        "rubric/rejected_with_repeats": float(sum(not b.valid and b.repeats > 0 for b in bundles)),
         "rubric/verified_bundles": float(sum(v.sum() for v in verified)),
         "rubric/criteria_per_valid_bundle": float(np.mean([len(b.criteria) for b in bundles if b.valid])) if any(b.valid for b in bundles) else 0.0,
         "rubric/groups_with_rubric": float(len(chosen)),

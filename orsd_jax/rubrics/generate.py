@@ -20,6 +20,9 @@ from orsd_jax.rubrics.render import render_group
 from orsd_jax.sampling.base import Sampler, SamplingParams
 
 
+RANK_TARGETS = ("outcome", "return")
+
+
 @dataclasses.dataclass(frozen=True)
 class RubricConfig:
     candidates: int = 4  # K bundles sampled per group
@@ -37,8 +40,14 @@ class RubricConfig:
     # Selection keeps the best bundle only when its Spearman correlation reaches this (None: always,
     # the paper's rule, even when every bundle ranks the episodes backwards).
     min_correlation: float | None = None
+    # What selection rank-correlates satisfaction with: "outcome" (the paper: the group's outcome
+    # rewards) or "return" (outcome minus invalid-answer penalties, which also ranks groups whose
+    # outcomes are all equal).
+    rank_by: str = "outcome"
 
     def __post_init__(self):
+        if self.rank_by not in RANK_TARGETS:
+            raise ValueError(f"unknown rank target {self.rank_by!r}; expected one of {RANK_TARGETS}")
         if self.constrained:
             bundle_regex(self.criterion_chars)  # refuses a line length no criterion fits
 

@@ -5,18 +5,32 @@ Accepted shapes: a JSON array (of strings, or of objects with a ``criterion``/``
 or a numbered or bulleted list
 (``1.``, ``1)``, ``(1)``, ``-``, ``*``, ``•``). A ``<think>`` block is ignored. Items are cleaned
 (list markers, also inside JSON strings; markdown emphasis; ``Criterion 3:`` labels; whitespace),
-items of fewer than 3 words or more than 60 are dropped, and duplicates (same words ignoring case
-and punctuation) are kept once.
-A bundle is valid with 5 to 8 criteria after cleaning; otherwise it is rejected with a reason.
+items of fewer than 3 words or more than 60 are dropped, and repeated criteria are kept once.
+Two criteria repeat each other when their words are equal after case, punctuation and leading
+step or ordinal prefixes ("Step 3:", "First,", "Finally") are removed, or when they name the same
+numbers and their texts match at a ``difflib`` ratio of at least ``NEAR_DUPLICATE`` (wording
+variants such as "takes the laptop from the sidetable" / "take the laptop from the side table"
+score 0.97; criteria about another receptacle or object, "goes to the desk 1 first" / "goes to the
+drawer 1 first", 0.88).
+A bundle is valid with 5 to 8 distinct criteria after cleaning; otherwise it is rejected with a
+reason that counts the repeats.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import re
 
 MIN_CRITERIA, MAX_CRITERIA = 5, 8
+NEAR_DUPLICATE = 0.92
+_JSON_ATTEMPTS = 64  # JSON starts tried: each failed attempt can cost a parse of the rest of the text
+_ORDINAL = re.compile(
+    r"^(?:(?:step|stage|phase|part)\s*(?:\d+|one|two|three|four|five|six|seven|eight)|\d+(?:st|nd|rd|th)"
+    r"|first(?:ly)?|second(?:ly)?|third(?:ly)?|fourth|fifth|sixth|seventh|eighth|next|then|finally|lastly)"
+    r"\b\s*[:.),-]?\s*"
+)
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.S | re.I)
 _MARKER = re.compile(r"^\s*(?:\d{1,2}\s*[.):]|\(\d{1,2}\)|[-*\u2022])\s+")
 _ITEM = re.compile(_MARKER.pattern + r"(.+?)\s*$")
@@ -29,6 +43,7 @@ _TEXT_KEYS = ("criterion", "text", "description", "content", "name")
 class ParsedBundle:
     criteria: tuple[str, ...]  # cleaned, de-duplicated; empty when nothing was found
     reason: str  # "" when valid
+    repeats: int = 0  # items dropped as repeats of an earlier criterion
 
     @property
     def valid(self) -> bool:
@@ -38,10 +53,12 @@ class ParsedBundle:
 def _json_items(text: str) -> list[str] | None:
     """Strings of the first JSON array (or object holding one) in ``text``; None if there is none."""
     decoder = json.JSONDecoder()
-    for start in (m.start() for m in re.finditer(r"[\[{]", text)):
+    for attempt, start in enumerate(m.start() for m in re.finditer(r"[\[{]", text)):
+        if attempt == _JSON_ATTEMPTS:
+            return None
         try:
             value, _ = decoder.raw_decode(text[start:])
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # deep nesting ("[" * 1000) recurses past the limit
             continue
         if isinstance(value, dict):  # {"criteria": [...]} or {"1": "...", "2": "..."}
             lists = [v for v in value.values() if isinstance(v, list)]
@@ -67,7 +84,18 @@ def _clean(item: str) -> str:
 
 
 def _key(item: str) -> str:
-    return " ".join(re.sub(r"[^a-z0-9 ]+", " ", item.lower()).split())
+    """Lower-case words without punctuation and without leading step or ordinal prefixes."""
+    text, previous = item.lower().strip(), None
+    while text != previous:
+        previous, text = text, _ORDINAL.sub("", text, count=1)
+    return " ".join(re.sub(r"[^a-z0-9 ]+", " ", text).split())
+
+
+def _repeats(key: str, earlier: str) -> bool:
+    if key == earlier:
+        return True
+    numbers = re.findall(r"\d+", key) == re.findall(r"\d+", earlier)
+    return numbers and difflib.SequenceMatcher(None, key, earlier).ratio() >= NEAR_DUPLICATE
 
 
 def bundle_regex(max_chars: int = 150) -> str:
@@ -102,14 +130,20 @@ def _parse(text: str) -> ParsedBundle:
     items = _json_items(text)
     if items is None:
         items = [m.group(1) for line in text.splitlines() if (m := _ITEM.match(line))]
-    criteria, seen = [], set()
+    criteria, keys, repeats = [], [], 0
     for item in map(_clean, items):
-        words = len(re.findall(r"\w+", item))
-        if 3 <= words <= 60 and _key(item) not in seen:
-            seen.add(_key(item))
-            criteria.append(item)
+        if not 3 <= len(re.findall(r"\w+", item)) <= 60:
+            continue
+        key = _key(item)
+        if any(_repeats(key, earlier) for earlier in keys):
+            repeats += 1
+            continue
+        keys.append(key)
+        criteria.append(item)
     if not criteria:
         return ParsedBundle((), "no list of criteria found")
     if not MIN_CRITERIA <= len(criteria) <= MAX_CRITERIA:
-        return ParsedBundle(tuple(criteria), f"{len(criteria)} criteria; a bundle needs {MIN_CRITERIA}-{MAX_CRITERIA}")
-    return ParsedBundle(tuple(criteria), "")
+        repeated = f" ({repeats} repeated)" if repeats else ""
+        reason = f"{len(criteria)} distinct criteria{repeated}; a bundle needs {MIN_CRITERIA}-{MAX_CRITERIA}"
+        return ParsedBundle(tuple(criteria), reason, repeats)
+    return ParsedBundle(tuple(criteria), "", repeats)

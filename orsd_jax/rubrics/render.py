@@ -4,6 +4,8 @@ A trajectory is shown as the observations the agent acted on and the actions it 
 step. The observation that follows the last action is never shown, and neither are rewards: the
 rubric writer must not see outcomes (WebShop's final page even prints the score). A trajectory
 over its token budget keeps its first and last steps and says how many were left out between.
+Headers carry no counts: on ALFWorld an episode shorter than the step limit is a win, so a step
+count in a header would state the outcome; the steps themselves are the only evidence.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def render_group(
     starts = {t.steps[0].observation if t.steps else None for t in trajectories}
     start = starts.pop() if len(starts) == 1 else None
     attempts = "\n\n".join(
-        f"Attempt {i} ({len(t.steps)} steps):\n"
+        f"Attempt {i}:\n"
         f"{render_trajectory(t, budget_tokens, count_tokens, start_shown=start is not None)}"
         for i, t in enumerate(trajectories, start=1)
     )

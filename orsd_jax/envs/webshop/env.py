@@ -13,8 +13,10 @@ page keeping them; an ASIN opens that item; an option value selects it for its o
 ``buy now`` ends the episode with the purchase reward. An episode that reaches ``max_steps``
 without buying ends with score 0.
 
-Rewards follow verl-agent's training signal: ``reward`` is 10 when the purchase scores exactly
-1, else 0; ``score`` is the raw WebShop reward (0 without purchase); ``won`` is score == 1.
+Rewards follow verl-agent's training signal by default (``reward="success"``): ``reward`` is 10
+when the purchase scores exactly 1, else 0; with ``reward="score"`` it is 10 x the purchase's
+score (WebShop's partial credit). ``score`` is the raw WebShop reward (0 without purchase);
+``won`` is score == 1.
 """
 
 from __future__ import annotations
@@ -86,10 +88,14 @@ class WebShopEnv:
         num_products: int | None = None,
         human_goals: bool = False,
         use_small: bool = True,
+        reward: str = "success",
     ):
         if max_steps < 1:
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
+        if reward not in ("success", "score"):
+            raise ValueError(f"reward must be 'success' or 'score', got {reward!r}")
         self.max_steps = max_steps
+        self.reward = reward
         self._key = WorldKey.make(data_dir, use_small, num_products, human_goals)
         self._world: World = world_for(self._key)
         self._goal: Goal | None = None
@@ -160,7 +166,7 @@ class WebShopEnv:
         return EnvStep(
             observation=self._page.text,
             admissible_actions=self._page.available_actions,
-            reward=WIN_REWARD if won else 0.0,
+            reward=WIN_REWARD * (float(won) if self.reward == "success" else purchase.score if purchase else 0.0),
             done=self._done,
             won=won,
             score=purchase.score if purchase is not None else 0.0,
