@@ -317,7 +317,9 @@ class OpenAIVerifier:
         """The URL and, where ``/models`` lists the served model, its weights (``root``) and context
         length: two servers serving different weights under one name at one URL (a restart) never
         share cache entries. A listing that fails leaves the URL alone (then a later verifier that
-        gets the listing keys differently, and asks again)."""
+        gets the listing keys differently, and asks again). A server on this machine that lists its
+        weights is keyed by them without its port: the trainer's local verifier starts on a free
+        port each time, and a resumed run should find the answers it already paid for."""
         import openai
 
         try:
@@ -325,7 +327,8 @@ class OpenAIVerifier:
         except (openai.OpenAIError, ValueError, TypeError, AttributeError):  # no listing, or not the OpenAI shape
             listed = []
         served = [{k: m.get(k) for k in ("id", "root", "max_model_len")} for m in listed if m.get("id") == self.config.model]
-        return json.dumps([self.config.base_url, served[0] if served else None])
+        where = "loopback" if served and is_loopback(self.config.base_url) else self.config.base_url
+        return json.dumps([where, served[0] if served else None])
 
     def _cache_path(self, body: dict) -> pathlib.Path | None:
         if self._cache is None:

@@ -384,7 +384,8 @@ def test_missing_key_fails_at_construction_except_on_loopback(monkeypatch):
 
 
 def test_cache_is_keyed_by_the_endpoint(serve, tmp_path):
-    first, second = serve(always(("answer", YES))), serve(always(("answer", NO)))  # same served name "judge"
+    # Same served name "judge", other weights (as a listing's root names them).
+    first, second = serve(always(("answer", YES))), serve(always(("answer", NO)), models=[{**LISTING[0], "root": "weights-b"}])
     trajectories = _trajectories(3)
     ones = OpenAIVerifier(_config(first.url, tmp_path)).score(TASK.description, trajectories, CRITERIA)
     other = OpenAIVerifier(_config(second.url, tmp_path))
@@ -395,6 +396,13 @@ def test_cache_is_keyed_by_the_endpoint(serve, tmp_path):
     assert again.stats.cache_hits == 3 and again.stats.calls == 0
     assert first.model_requests == 2 and second.model_requests == 1  # the listing: once per verifier
     assert len(_cached(tmp_path)) == 6
+    # A local server of the same weights on another port (a resumed run's) finds the answers.
+    restarted = OpenAIVerifier(_config(serve(always(("answer", NO))).url, tmp_path))
+    np.testing.assert_array_equal(restarted.score(TASK.description, trajectories, CRITERIA), ones)
+    assert restarted.stats.cache_hits == 3 and restarted.stats.calls == 0
+    # Without a listing a server is known by its URL alone.
+    unlisted = OpenAIVerifier(_config(serve(always(("answer", NO)), models=None).url, tmp_path))
+    assert unlisted.score(TASK.description, trajectories, CRITERIA).sum() == 0 and unlisted.stats.cache_hits == 0
 
 
 def test_cache_is_keyed_by_the_served_model(serve, tmp_path):
@@ -431,15 +439,21 @@ def test_corrupt_cache_entries_are_misses(serve, tmp_path, content):
     assert healed.stats.cache_hits == 1 and healed.stats.calls == 0
 
 
-@pytest.mark.parametrize("how", ["read-only", "not-a-directory"])
+@pytest.mark.parametrize("how", ["file-size-limit", "not-a-directory"])
 def test_unwritable_cache_does_not_stop_scoring(serve, tmp_path, caplog, how):
-    if how == "read-only" and os.geteuid() == 0:
-        pytest.skip("root writes into read-only directories")
+    """A cache that cannot be written: every write fails as on a full disk (RLIMIT_FSIZE 0, with
+    SIGXFSZ ignored so the write returns EFBIG, which holds for root too), or the cache directory
+    is a file."""
+    import resource
+    import signal
+
     server = serve(always(("answer", YES)))
     verifier = OpenAIVerifier(_config(server.url, tmp_path))
     cache = tmp_path / "cache"
-    if how == "read-only":
-        cache.chmod(0o555)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if how == "file-size-limit":
+        previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))
     else:
         shutil.rmtree(cache)
         cache.write_text("")
@@ -447,8 +461,11 @@ def test_unwritable_cache_does_not_stop_scoring(serve, tmp_path, caplog, how):
         for n in (2, 3):
             np.testing.assert_array_equal(verifier.score(TASK.description, _trajectories(n), CRITERIA), np.ones((n, 3)))
     finally:
-        if how == "read-only":
-            cache.chmod(0o755)
+        if how == "file-size-limit":
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            signal.signal(signal.SIGXFSZ, previous)
+    if how == "file-size-limit":
+        assert all(path.stat().st_size == 0 for path in cache.rglob("*") if path.is_file())  # nothing readable kept
     assert verifier.stats.calls == 5 and verifier.stats.cache_hits == 0
     (warning,) = _warnings(caplog)
     assert "cache" in warning
