@@ -135,7 +135,3 @@ def write_jsonl(demos: Sequence[Demonstration], path: str | os.PathLike) -> None
         for demo in demos:
             f.write(json.dumps(dataclasses.asdict(demo)) + "\n")
 
-
-def read_jsonl(path: str | os.PathLike) -> list[Demonstration]:
-    with open(path) as f:
-        return [Demonstration(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(line).items()}) for line in f]

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from orsd_jax.envs.alfworld import INVALID_ACTION_PENALTY, build_prompt, success_markdown, success_table
+from orsd_jax.envs.alfworld import build_prompt, success_markdown, success_table
 
 INTRO = (
     "-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle of a room. Looking quickly around you, "
@@ -68,7 +68,6 @@ def test_inconsistent_arguments_are_refused():
         build_prompt("t", "o", ACTIONS, [], -1)
     with pytest.raises(ValueError, match="3 entries"):
         build_prompt("t", "o", ACTIONS, HISTORY, 2)
-    assert INVALID_ACTION_PENALTY == 0.1
 
 
 def test_success_table_per_type_and_overall():

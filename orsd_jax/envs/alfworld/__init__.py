@@ -12,7 +12,7 @@ from orsd_jax.envs.alfworld.difficulty import EASY, HARD, PRESETS, STANDARD, Dif
 from orsd_jax.envs.alfworld.env import MAX_STEPS, WIN_REWARD, AlfworldEnv
 from orsd_jax.envs.alfworld.generation import SPLITS, generate_games
 from orsd_jax.envs.alfworld.metrics import success_markdown, success_table
-from orsd_jax.envs.alfworld.prompts import HISTORY_LENGTH, INVALID_ACTION_PENALTY, build_prompt
+from orsd_jax.envs.alfworld.prompts import HISTORY_LENGTH, build_prompt
 from orsd_jax.envs.alfworld.tasks import COLUMNS, TASK_TYPES
 
 __all__ = [
@@ -22,7 +22,6 @@ __all__ = [
     "EASY",
     "HARD",
     "HISTORY_LENGTH",
-    "INVALID_ACTION_PENALTY",
     "MAX_STEPS",
     "PRESETS",
     "SPLITS",

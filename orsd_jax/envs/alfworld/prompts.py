@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-INVALID_ACTION_PENALTY = 0.1  # subtracted by the trainer from a step whose answer is not valid
 HISTORY_LENGTH = 2
 
 _ROLE = (

@@ -32,7 +32,6 @@ LAMP_HOLDERS = {
     "FloorLamp": ("SideTable", "Dresser", "Desk", "Shelf", "ArmChair", "Sofa", "Bed", "CoffeeTable"),
 }
 OPENABLE_CLASSES = frozenset(constants.OPENABLE_CLASS_LIST)
-ROOM_TYPES = tuple(constants.SCENE_TYPE)  # Kitchen, LivingRoom, Bedroom, Bathroom
 
 
 @dataclasses.dataclass(frozen=True)
