@@ -6,7 +6,12 @@
     python -m experiments.train_alfworld --out runs/x --resume    # continue a killed run
 """
 
-from experiments.common import main
+from experiments import common
+
+
+def main(argv: list[str] | None = None) -> None:
+    common.main("alfworld", __doc__, argv)
+
 
 if __name__ == "__main__":
-    main("alfworld", __doc__)
+    main()

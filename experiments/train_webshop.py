@@ -4,7 +4,12 @@
     python -m experiments.train_webshop --preset paper-qwen3-4b --dry-run
 """
 
-from experiments.common import main
+from experiments import common
+
+
+def main(argv: list[str] | None = None) -> None:
+    common.main("webshop", __doc__, argv)
+
 
 if __name__ == "__main__":
-    main("webshop", __doc__)
+    main()

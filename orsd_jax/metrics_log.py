@@ -21,6 +21,10 @@ def console_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for chatty in ("absl", "httpx", "httpx2"):  # httpx2: the openai client's
         logging.getLogger(chatty).setLevel(logging.WARNING)
+    # JAX logs its backend probe at INFO ("Unable to initialize backend 'tpu'" without libtpu);
+    # its warnings still show, and a level the user chose with JAX_LOGGING_LEVEL is kept.
+    if logging.getLogger("jax").level == logging.NOTSET:
+        logging.getLogger("jax").setLevel(logging.WARNING)
 
 
 class MetricsLog:
