@@ -137,14 +137,16 @@ def webshop_oracle(goal: Goal) -> tuple[str, ...]:
     under the price bound (when it has one), buy."""
     attributes = list(dict.fromkeys(goal.attributes))
     options = [_option_phrase(o) for o in dict.fromkeys(goal.goal_options)]
+    shortest = len(options) + 3  # search, open the product, choose each option, buy
     words = _listing([goal.query, *attributes])
     having = f" with {_listing(attributes)}" if attributes else ""
     head = [f"Searches with the key words {words}", f"Opens a {goal.query} product{having}"]
-    tail = ["Clicks buy now only after choosing every option the request names" if options else "Clicks buy now on that product"]
+    buy = "Clicks buy now only after choosing every option the request names" if options else "Clicks buy now on that product"
+    tail = [buy]
     if goal.price_upper < NO_PRICE_BOUND:
         tail.insert(0, f"Buys a product that costs less than {goal.price_upper:.2f} dollars")
     if len(head) + len(options) + len(tail) > MAX_CRITERIA:
         options = [", ".join(options)]
     criteria = head + [_sentence([o]) for o in options] + tail
-    padding = [p.format(n=len(goal.option_values) + 3) for p in WEBSHOP_PADDING]  # search, open, options, buy
+    padding = [p.format(n=shortest) for p in WEBSHOP_PADDING]
     return oracle_bundle(criteria + padding[: max(0, MIN_CRITERIA - len(criteria))])
