@@ -11,6 +11,7 @@ import sys
 from orsd_jax.config import METHODS, PRESETS, TrainConfig, VerifierSetup, preset
 from orsd_jax.metrics_log import console_logging
 from orsd_jax.rubrics.verify import DASHSCOPE, VerifierConfig
+from orsd_jax.rubrics.sources import SOURCES
 
 
 def task_types(text: str) -> tuple[str, ...]:
@@ -31,6 +32,8 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int)
     p.add_argument("--candidates", type=int, help="rubric bundles per group (K)")
     p.add_argument("--min-correlation", type=float, help="keep a selected rubric only if its Spearman correlation reaches this (default: always, as the paper)")
+    p.add_argument("--rubric-source", choices=SOURCES, help="where rubric candidates come from (default: policy, the paper's)")
+    p.add_argument("--rubric-file", help="with --rubric-source file: JSON mapping task keys to lists of criteria")
     p.add_argument("--coef", type=float, help="lambda: weight of the rubric correction")
     p.add_argument("--clip", type=float, help="c: the gap is clipped to [-c, c]")
     p.add_argument("--lr", type=float)
@@ -55,7 +58,8 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
     c = set_(c, method=args.method, updates=args.updates, n_tasks=args.n_tasks, group_size=args.group_size,
              devices=args.devices, fsdp=args.fsdp, sampler=args.sampler, eval_games=args.eval_games, seed=args.seed)  # fmt: skip
     c = set_(c, model=set_(c.model, name=args.model), env=set_(c.env, data_dir=args.data_dir, task_types=args.task_types))
-    c = set_(c, rubric=set_(c.rubric, candidates=args.candidates, min_correlation=args.min_correlation), loss=set_(c.loss, coef=args.coef, clip=args.clip))
+    c = set_(c, rubric=set_(c.rubric, candidates=args.candidates, min_correlation=args.min_correlation, source=args.rubric_source,
+                            source_file=args.rubric_file), loss=set_(c.loss, coef=args.coef, clip=args.clip))  # fmt: skip
     c = set_(c, optimizer=set_(c.optimizer, learning_rate=args.lr))
     if args.model:  # an explicit initial policy replaces the preset's warm start
         c = dataclasses.replace(c, model=dataclasses.replace(c.model, warmstart=None, random_shape=None))
@@ -119,8 +123,9 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
         f"evaluation: {', '.join(c.eval_splits)}, {c.eval_games} tasks each",
     ]
     if c.uses_rubrics:
-        lines.append(f"rubric selection: {c.selection_mode}, rank-correlated with the group's {c.rubric.rank_by}s")
-        lines.append(f"rubrics: {c.updates * c.n_tasks * c.rubric.candidates} bundles written; verifier "
+        lines.append(f"rubric selection: {c.selection_mode}, rank-correlated with the group's {c.rubric.rank_by}s; "
+                     f"candidates from the {c.rubric.source} source")  # fmt: skip
+        lines.append(f"rubrics: {c.updates * c.n_tasks * (c.rubric.candidates if c.rubric.source == 'policy' else 1)} candidate bundles; verifier "
                      f"{c.verifier.kind}{' ' + c.verifier.endpoint.model if c.verifier.endpoint else ''}")  # fmt: skip
     if not e.fits:
         lines.append("the plan does not fit: use --fsdp, more --devices or more micro-batches")

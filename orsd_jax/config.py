@@ -21,7 +21,7 @@ from orsd_jax.rubrics.verify import DASHSCOPE
 from orsd_jax.train_step import OptimizerConfig
 from orsd_jax.warmstart import WarmStartConfig, WarmStartRun
 
-METHODS = ("grpo", "gigpo", "orsd", "orsd-single", "orsd-random")
+METHODS = ("grpo", "gigpo", "orsd", "orsd-single", "orsd-random", "orsd-oracle", "orsd-shuffled")
 ENVS = ("alfworld", "webshop")
 EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "webshop": ("test",)}
 REWARDS = ("success", "score")
@@ -121,7 +121,7 @@ class TrainConfig:
 
     @property
     def selection_mode(self) -> str:
-        return {"orsd": "spearman", "orsd-single": "single", "orsd-random": "random"}[self.method]
+        return {"orsd-single": "single", "orsd-random": "random"}.get(self.method, "spearman")
 
     @property
     def eval_splits(self) -> tuple[str, ...]:
@@ -138,6 +138,8 @@ class TrainConfig:
             c = dataclasses.replace(c, loss=dataclasses.replace(c.loss, coef=0.0))
         if c.method == "orsd-single":
             c = dataclasses.replace(c, rubric=dataclasses.replace(c.rubric, candidates=1))
+        if c.method in ("orsd-oracle", "orsd-shuffled"):  # ORSD reading oracle rubrics, of its task or another's
+            c = dataclasses.replace(c, rubric=dataclasses.replace(c.rubric, source=c.method.removeprefix("orsd-")))
         return c
 
 

@@ -39,6 +39,7 @@ from orsd_jax.metrics_log import MetricsLog, progress
 from orsd_jax.models import CausalLM, ModelConfig, load_model, resolve, save_hf
 from orsd_jax.rollout import Group, PromptBuilder, collect_groups
 from orsd_jax.rubrics import GroupRubric, generate_bundles, rubric_insert, rubric_metrics, verify_and_select
+from orsd_jax.rubrics import sources as rubric_sources
 from orsd_jax.train_step import TrainState, init_train_state, make_mesh, make_optimizer, make_train_step
 
 log = logging.getLogger("orsd_jax")
@@ -238,6 +239,12 @@ class Run:
         self.reference = jax.tree.map(jax.numpy.copy, self.state.params) if with_reference else None
         self.train_step = make_train_step(OrsdLoss(config.loss), optimizer, self.graphdef, self.sharding, with_reference)
         self.checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
+        # What the non-policy rubric sources read: the oracle, or the user's file (checked now).
+        r = config.rubric
+        self.rubric_source = (
+            {"oracle": rubric_sources.oracle_for(config.env.name, config.env.data_dir)} if r.source in ("oracle", "shuffled")
+            else {"rubrics": rubric_sources.load_file(r.source_file)} if r.source == "file" else {}
+        )  # fmt: skip
         self.sampler = self.sampler_server = self.verifier = self.verifier_server = self.pool = None
 
     def start_services(self) -> None:
@@ -330,7 +337,10 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
     rubrics = None
     if c.uses_rubrics:
         t0 = time.perf_counter()
-        bundles = generate_bundles(run.sampler, groups, c.rubric, seed, tokenizer=run.tokenizer, fmt=run.fmt)
+        if c.rubric.source == "policy":
+            bundles = generate_bundles(run.sampler, groups, c.rubric, seed, tokenizer=run.tokenizer, fmt=run.fmt)
+        else:
+            bundles = rubric_sources.candidates(c.rubric.source, [g.task for g in groups], **run.rubric_source)
         metrics["time/rubric_writing"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         rng = np.random.default_rng([c.seed, update])

@@ -44,8 +44,18 @@ class RubricConfig:
     # rewards) or "return" (outcome minus invalid-answer penalties, which also ranks groups whose
     # outcomes are all equal).
     rank_by: str = "outcome"
+    # Where the candidates come from (``sources.SOURCES``): the policy's writing (the paper), the
+    # oracle, another task's oracle bundle, or ``source_file`` (JSON: task key -> criteria).
+    source: str = "policy"
+    source_file: str | None = None
 
     def __post_init__(self):
+        from orsd_jax.rubrics.sources import SOURCES
+
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown rubric source {self.source!r}; expected one of {SOURCES}")
+        if (self.source == "file") != (self.source_file is not None):
+            raise ValueError("rubric source 'file' and source_file go together")
         if self.rank_by not in RANK_TARGETS:
             raise ValueError(f"unknown rank target {self.rank_by!r}; expected one of {RANK_TARGETS}")
         if self.constrained:
