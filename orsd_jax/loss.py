@@ -60,18 +60,28 @@ def response_logprobs(
     """
     mask = tree_attention_mask(batch.branch)
     hidden, _ = model.hidden_states(batch.tokens, batch.positions, mask=mask, frozen=batch.frozen)
-
-    def logprobs(index, with_entropy):  # the LM head only at the [B, Y] predicting positions
-        h = jnp.take_along_axis(hidden, index[..., None], axis=1)
-        return model.logprobs_from_hidden(
-            h, batch.response, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy
-        )
-
-    logp_without, entropy = logprobs(batch.without_index, True)
+    options = dict(temperature=temperature, chunk_size=chunk_size)
+    logp_without, entropy = logprobs_at(model, hidden, batch.without_index, batch.response, with_entropy=True, **options)
     if not with_rubric:
         return None, logp_without, entropy
-    logp_with, _ = logprobs(batch.with_index, False)
+    logp_with, _ = logprobs_at(model, hidden, batch.with_index, batch.response, **options)
     return jax.lax.stop_gradient(logp_with), logp_without, entropy
+
+
+def logprobs_at(
+    model: CausalLM,
+    hidden: jax.Array,
+    index: jax.Array,
+    targets: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 64,
+    with_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Log-probs ``[B, N]`` of ``targets [B, N]`` predicted by the packed rows' positions
+    ``index [B, N]`` of ``hidden [B, T, D]``: the LM head runs at those positions only."""
+    h = jnp.take_along_axis(hidden, index[..., None], axis=1)
+    return model.logprobs_from_hidden(h, targets, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy)
 
 
 def _k3(log_ratio: jax.Array) -> jax.Array:

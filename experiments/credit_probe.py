@@ -1,0 +1,327 @@
+"""Does the rubric carry credit? Play held-out ALFWorld games with a policy, label every step with
+the engine's expert, and measure the log-likelihood gap under each rubric source.
+
+    python -m experiments.credit_probe                                  # the cpu-demo warm start
+    python -m experiments.credit_probe --policy runs/x/policy --games 48 --other-games 24
+
+Sources: ``oracle`` (the planner's plan as criteria), ``policy`` (the policy's own rubric: K
+bundles written from the group, verified by the frozen policy on the same vLLM server, the best
+rank-correlated one kept, as ORSD does), ``shuffled`` (another game's oracle bundle) and
+``neutral`` (text of the oracle's shape about nothing). Writes OUT/probe.md (the table),
+OUT/probe.csv (one row per step and source), OUT/states.csv (the within-state scores),
+OUT/probe.json (settings and the summary) and OUT/probe.png (gap distributions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import json
+import pathlib
+import time
+
+import numpy as np
+
+SOURCES = ("oracle", "policy", "shuffled", "neutral")
+
+
+def _tasks(args):
+    from orsd_jax.envs.alfworld import default_games, load_split
+
+    root = default_games("easy", args.games_seed, 8, args.generated)
+    tasks = []
+    for task_type, n in ((args.type, args.games), (args.other_type, args.other_games)):
+        pool = [t for split in ("valid_seen", "valid_unseen") for t in load_split(root, split, (task_type,))]
+        if len(pool) < n:
+            raise SystemExit(f"{len(pool)} held-out {task_type} games among {args.generated} per split; raise --generated")
+        tasks += pool[:n]
+    return tasks
+
+
+def _play(args, policy, tokenizer, fmt, tasks, rollout):
+    """Groups of ``--group-size`` episodes per task, the vLLM sampler and the server it runs on."""
+    from orsd_jax.envs import EnvPool
+    from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt
+    from orsd_jax.rollout import collect_groups
+    from orsd_jax.sampling.vllm_sampler import VLLMSampler
+    from orsd_jax.sampling.vllm_server import ServerOptions
+
+    sampler = VLLMSampler(policy, tokenizer, options=ServerOptions(max_model_len=4096, seed=args.seed))
+    groups = []
+    per_call = max(1, 16 // args.group_size)
+    with EnvPool(functools.partial(AlfworldEnv, max_steps=rollout.max_steps), per_call * args.group_size) as pool:
+        for start in range(0, len(tasks), per_call):
+            chunk = tasks[start : start + per_call]
+            chunk = chunk + [chunk[-1]] * (per_call - len(chunk))
+            played, _ = collect_groups(sampler, pool, chunk, args.group_size, rollout, args.seed + start,
+                                       tokenizer=tokenizer, fmt=fmt, build_prompt=build_prompt)  # fmt: skip
+            groups += played[: len(tasks) - start]
+            print(f"played {len(groups)}/{len(tasks)} groups", flush=True)
+    return groups, sampler
+
+
+def _policy_rubrics(args, sampler, tokenizer, fmt, groups, advantage):
+    """The policy's own rubric per group (None where ORSD would give none), and the stage's metrics."""
+    from orsd_jax.advantages import rank_targets
+    from orsd_jax.config import preset
+    from orsd_jax.rubrics import OpenAIVerifier, VerifierConfig, generate_bundles, rubric_metrics, verify_and_select
+
+    config = preset("cpu-demo").rubric
+    bundles = generate_bundles(sampler, groups, config, args.seed, tokenizer=tokenizer, fmt=fmt)
+    server = sampler.server  # the same frozen weights: the policy is not trained here
+    verifier = OpenAIVerifier(VerifierConfig(base_url=f"{server.url}/v1", model=server.served_model_name, mode="logprob"))
+    rng = np.random.default_rng(args.seed)
+    chosen = [verify_and_select(verifier, g, b, "spearman", rng, rank_targets(g, config.rank_by, advantage))
+              for g, b in zip(groups, bundles)]  # fmt: skip
+    return [r.criteria for r in chosen], rubric_metrics(chosen)
+
+
+def _labels(groups):
+    """Per group, per trajectory, per step: the expert-consistency label (``expert.label_actions``)."""
+    from orsd_jax.envs.alfworld.engine import make_engine
+    from orsd_jax.envs.alfworld.expert import label_actions
+
+    engine = make_engine(plan=True)
+    out = []
+    for group in groups:
+        out.append([])
+        for t in group.trajectories:
+            labels = label_actions(engine, group.task, [s.action or "" for s in t.steps])
+            out[-1].append([label.consistent for label in labels] + [False] * (len(t.steps) - len(labels)))
+    return out
+
+
+def _states(groups, per_game: int):
+    """The first ``per_game`` states of each group's first trajectory: (group, step, admissible
+    actions, the planner's first command)."""
+    from orsd_jax.envs.alfworld.engine import make_engine
+    from orsd_jax.envs.alfworld.expert import expert_plan
+
+    engine = make_engine(plan=True)
+    out = []
+    for g, group in enumerate(groups):
+        engine.load(group.task.key)
+        state = engine.reset()
+        for k, step in enumerate(group.trajectories[0].steps[:per_game]):
+            plan = expert_plan(state)
+            if plan:
+                out.append((g, k, tuple(a for a in state["admissible_commands"] if a != "help"), plan[0]))
+            state, _, _ = engine.step(step.action or "")
+            if state["won"]:
+                break
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", help="Hugging Face directory (default: the cpu-demo warm start, cached)")
+    p.add_argument("--type", default="look", help="the task type the policy was trained on")
+    p.add_argument("--games", type=int, default=48)
+    p.add_argument("--other-type", default="pick")
+    p.add_argument("--other-games", type=int, default=24)
+    p.add_argument("--generated", type=int, default=200, help="generated games per held-out split")
+    p.add_argument("--games-seed", type=int, default=0)
+    p.add_argument("--group-size", type=int, default=2)
+    p.add_argument("--sources", default=",".join(SOURCES))
+    p.add_argument("--within-states", type=int, default=1, help="states probed per game, from the first trajectory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/probe")
+    args = p.parse_args(argv)  # before any game loads: the planner overwrites sys.argv
+    sources = tuple(s for s in args.sources.split(",") if s)
+    if unknown := set(sources) - set(SOURCES):
+        raise SystemExit(f"unknown sources {sorted(unknown)}; expected some of {SOURCES}")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from orsd_jax import chat
+    from orsd_jax.advantages import returns, step_advantages
+    from orsd_jax.config import preset
+    from orsd_jax.credit import token_pieces
+    from orsd_jax.demos import demo_answer
+    from orsd_jax.metrics_log import console_logging
+    from orsd_jax.models import load_model, resolve
+    from orsd_jax.probe import ProbeState, ProbeStep, branch_logprobs, summarise, token_classes
+    from orsd_jax.rubrics import rubric_insert
+    from orsd_jax.rubrics import sources as rubric_sources
+    from orsd_jax.rubrics.oracle import alfworld_oracle
+
+    console_logging()
+    demo = preset("cpu-demo").resolved()
+    if args.policy:
+        policy = resolve(args.policy)
+    else:
+        from orsd_jax.warmstart import cached_warmstart
+
+        policy = cached_warmstart(demo.model.warmstart)
+    tasks = _tasks(args)
+    model, tokenizer = load_model(policy)
+    fmt = chat.chat_format(tokenizer)
+    timings, started = {}, time.perf_counter()
+    groups, sampler = _play(args, policy, tokenizer, fmt, tasks, demo.rollout)
+    timings["play"] = time.perf_counter() - started
+    try:
+        started = time.perf_counter()
+        stage = {}
+        policy_criteria = [None] * len(groups)
+        if "policy" in sources:
+            policy_criteria, stage = _policy_rubrics(args, sampler, tokenizer, fmt, groups, demo.advantage)
+        timings["policy_rubrics"] = time.perf_counter() - started
+    finally:
+        sampler.close()
+    started = time.perf_counter()
+    labels = _labels(groups)
+    states = _states(groups, args.within_states)
+    timings["labels"] = time.perf_counter() - started
+
+    oracle = [alfworld_oracle(g.task) for g in groups]
+    rubrics = {
+        "oracle": oracle,
+        "policy": policy_criteria,
+        "shuffled": rubric_sources.shuffled(oracle, [g.task for g in groups]),
+        "neutral": [rubric_sources.neutral_like(c) for c in oracle],
+    }
+    inserts = {s: [tuple(chat.encode(tokenizer, rubric_insert(c))) if c else None for c in rubrics[s]] for s in sources}
+    advantages = step_advantages(groups, "grpo", demo.advantage)
+    tail = list(fmt.tail)
+    options = dict(temperature=demo.loss.temperature, chunk_size=demo.loss.chunk_size)
+
+    # Every step: one row, one branch per source with a rubric plus the branch without.
+    started = time.perf_counter()
+    index, rows = [], []
+    for g, group in enumerate(groups):
+        for t, traj in enumerate(group.trajectories):
+            for k, step in enumerate(traj.steps):
+                have = [s for s in sources if inserts[s][g] is not None]
+                prefix = list(step.prompt_ids[: -len(tail)])
+                branches = [(list(inserts[s][g]) + tail, list(step.response_ids)) for s in have]
+                rows.append((prefix, branches + [(tail, list(step.response_ids))]))
+                index.append((g, t, k, have))
+    scored = branch_logprobs(model, rows, rows_per_call=4, branch_multiple=len(sources) + 1, **options)
+    steps = []
+    for (g, t, k, have), logp in zip(index, scored):
+        group, traj = groups[g], groups[g].trajectories[t]
+        step = traj.steps[k]
+        steps.append(ProbeStep(
+            game=group.task.key, task_type=group.task.task_type, trajectory=t, step=k, expert=labels[g][t][k],
+            valid=step.valid, won=traj.won, ret=float(returns(group, demo.advantage)[t]),
+            advantage=float(advantages[g][t][k]), classes=token_classes(token_pieces(tokenizer, step.response_ids)),
+            gaps={s: logp[i] - logp[-1] for i, s in enumerate(have)},
+        ))  # fmt: skip
+    timings["score_steps"] = time.perf_counter() - started
+
+    # Probed states: every admissible action as the policy's answer form, with and without each rubric.
+    started = time.perf_counter()
+    probed = []
+    for g, k, actions, expert in states:
+        group = groups[g]
+        prefix = list(group.trajectories[0].steps[k].prompt_ids[: -len(tail)])
+        answers = [(tail, chat.encode(tokenizer, demo_answer(group.task.description, a, reasoning=False))) for a in actions]
+        have = [s for s in sources if inserts[s][g] is not None]
+        rows = [(prefix, answers)] + [(prefix + list(inserts[s][g]), answers) for s in have]
+        sums = [np.array([float(x.sum()) for x in row]) for row in branch_logprobs(model, rows, rows_per_call=1, branch_multiple=8, **options)]
+        probed.append(ProbeState(group.task.key, actions, np.array([a == expert for a in actions]), sums[0],
+                                 dict(zip(have, sums[1:]))))  # fmt: skip
+    timings["score_states"] = time.perf_counter() - started
+
+    demo_loss = demo.loss
+    summary = summarise(steps, probed, sources, coef=demo_loss.coef, clip=demo_loss.clip, seed=args.seed)
+    _write(out, args, policy, steps, probed, sources, summary, stage, timings, groups)
+    print((out / "probe.md").read_text())
+
+
+def _write(out, args, policy, steps, states, sources, summary, stage, timings, groups):
+    from orsd_jax.probe import ACTION, FORMAT
+
+    with open(out / "probe.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["game", "task_type", "trajectory", "step", "expert", "valid", "won", "return", "advantage",
+                         "source", "gap_step", "gap_action", "gap_format", "tokens"])  # fmt: skip
+        for s in steps:
+            for source, gap in s.gaps.items():
+                action, fmt_ = gap[s.classes == ACTION], gap[s.classes == FORMAT]
+                writer.writerow([s.game, s.task_type, s.trajectory, s.step, int(s.expert), int(s.valid), int(s.won),
+                                 s.ret, f"{s.advantage:.6f}", source, f"{gap.mean():.6f}",
+                                 f"{action.mean():.6f}" if len(action) else "", f"{fmt_.mean():.6f}" if len(fmt_) else "",
+                                 len(gap)])  # fmt: skip
+    with open(out / "states.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["game", "action", "expert", "logp_without", *[f"logp_{s}" for s in sources]])
+        for st in states:
+            for i, a in enumerate(st.actions):
+                extra = [f"{st.with_rubric[s][i]:.6f}" if s in st.with_rubric else "" for s in sources]
+                writer.writerow([st.game, a, int(st.expert[i]), f"{st.without[i]:.6f}", *extra])
+    by_type = {}
+    for t in sorted({s.task_type for s in steps}):
+        by_type[t] = summarise([s for s in steps if s.task_type == t], [], sources, coef=0.5, clip=1.0, n_boot=500)
+    settings = {k: v for k, v in vars(args).items()} | {"policy": str(pathlib.Path(policy).name)}
+    info = {"settings": settings, "summary": summary, "by_type": by_type, "rubric_stage": stage, "timings_s": timings,
+            "games": len(groups), "episodes": sum(len(g.trajectories) for g in groups),
+            "won": sum(t.won for g in groups for t in g.trajectories)}  # fmt: skip
+    (out / "probe.json").write_text(json.dumps(info, indent=2, default=float))
+    (out / "probe.md").write_text(_markdown(summary, by_type, info))
+    _plot(out / "probe.png", steps, sources)
+
+
+def _fmt(row, key, digits=2):
+    value = row.get(key)
+    return "" if value is None or (isinstance(value, float) and np.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _markdown(summary, by_type, info) -> str:
+    lines = [
+        f"Credit probe: {info['games']} games, {info['episodes']} episodes ({info['won']} won), "
+        f"{int(summary[0]['steps'] + summary[0]['steps_without_rubric'])} steps.",
+        "",
+        "| source | steps | AUC step gap [95%] | AUC action gap [95%] | gap expert | gap other | gap format tokens "
+        "| sign flips | gap~outcome (Spearman) | top-1 without / with | within-state AUC |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in summary:
+        if not r["steps"]:
+            lines.append(f"| {r['source']} | 0 | | | | | | | | | |")
+            continue
+        top1 = f"{_fmt(r, 'top1_without')} / {_fmt(r, 'top1_with')}" if "top1_with" in r else ""
+        lines.append(
+            f"| {r['source']} | {int(r['steps'])} | {_fmt(r, 'auc_step')} [{_fmt(r, 'auc_step_lo')}, {_fmt(r, 'auc_step_hi')}] "
+            f"| {_fmt(r, 'auc_action')} [{_fmt(r, 'auc_action_lo')}, {_fmt(r, 'auc_action_hi')}] "
+            f"| {_fmt(r, 'gap_expert', 3)} | {_fmt(r, 'gap_other', 3)} | {_fmt(r, 'gap_format_tokens', 3)} "
+            f"| {_fmt(r, 'sign_flips', 3)} | {_fmt(r, 'gap_outcome_spearman')} | {top1} | {_fmt(r, 'within_state_auc')} |"
+        )
+    for task_type, rows in by_type.items():
+        lines += ["", f"{task_type} games only:", "", "| source | steps | AUC step gap [95%] | AUC action gap [95%] |",
+                  "|---|---:|---|---|"]  # fmt: skip
+        for r in rows:
+            if r["steps"]:
+                lines.append(f"| {r['source']} | {int(r['steps'])} | {_fmt(r, 'auc_step')} [{_fmt(r, 'auc_step_lo')}, "
+                             f"{_fmt(r, 'auc_step_hi')}] | {_fmt(r, 'auc_action')} [{_fmt(r, 'auc_action_lo')}, {_fmt(r, 'auc_action_hi')}] |")  # fmt: skip
+    stage = info["rubric_stage"]
+    if stage:
+        lines += ["", f"Policy rubrics: {stage.get('rubric/groups_with_rubric', 0):.0f} of {info['games']} groups got one "
+                  f"({stage.get('rubric/valid_bundles', 0):.0f} of {stage.get('rubric/bundles', 0):.0f} bundles valid)."]  # fmt: skip
+    lines += ["", "Timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in info["timings_s"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(path, steps, sources) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sources), figsize=(3.2 * len(sources), 3), sharey=True)
+    for ax, source in zip(np.atleast_1d(axes), sources):
+        for expert, colour in ((True, "tab:green"), (False, "tab:red")):
+            gaps = [float(s.gaps[source].mean()) for s in steps if source in s.gaps and s.expert == expert]
+            if gaps:
+                ax.hist(gaps, bins=30, alpha=0.5, color=colour, density=True, label="expert" if expert else "other")
+        ax.set_title(source)
+        ax.set_xlabel("step mean gap")
+    np.atleast_1d(axes)[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
