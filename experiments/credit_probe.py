@@ -78,18 +78,11 @@ def _policy_rubrics(args, sampler, tokenizer, fmt, groups, advantage):
 
 
 def _labels(groups):
-    """Per group, per trajectory, per step: the expert-consistency label (``expert.label_actions``)."""
-    from orsd_jax.envs.alfworld.engine import make_engine
-    from orsd_jax.envs.alfworld.expert import label_actions
+    """Per group, per trajectory, per step: the expert-consistency label."""
+    from orsd_jax.envs.alfworld.expert import label_episodes
 
-    engine = make_engine(plan=True)
-    out = []
-    for group in groups:
-        out.append([])
-        for t in group.trajectories:
-            labels = label_actions(engine, group.task, [s.action or "" for s in t.steps])
-            out[-1].append([label.consistent for label in labels] + [False] * (len(t.steps) - len(labels)))
-    return out
+    flat = label_episodes([(g.task, [s.action or "" for s in t.steps]) for g in groups for t in g.trajectories])
+    return [flat[i * len(g.trajectories) : (i + 1) * len(g.trajectories)] for i, g in enumerate(groups)]
 
 
 def _states(groups, per_game: int):

@@ -39,6 +39,7 @@ class StepCredit:
     reward: float
     criteria: tuple[str, ...] | None  # the group's selected rubric (None: the group got none)
     values: dict[str, np.ndarray]
+    expert: bool | None = None  # the action was expert-consistent (ALFWorld's planner; None: unknown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,6 @@ def load_credit(run_dir: str | os.PathLike, update: int | None = None, tokenizer
         steps.append(StepCredit(
             g, t, s, rubric.task, step["observation"], step["response"], ids, token_pieces(tokenizer, ids),
             bool(traj["won"]), float(traj["reward"]),
-            None if rubric.chosen is None else rubric.candidates[rubric.chosen], v,
+            None if rubric.chosen is None else rubric.candidates[rubric.chosen], v, step.get("expert"),
         ))  # fmt: skip
     return CreditRecord(update, tuple(groups), tuple(steps))

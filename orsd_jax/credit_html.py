@@ -22,7 +22,7 @@ h1 { font-size: 20px; } h2 { font-size: 16px; margin: 28px 0 6px; } h3 { font-si
 .group { border-top: 2px solid #ccc; }
 .criteria li { margin: 2px 0; } .candidates { color: #555; font-size: 12px; }
 .candidates .chosen { font-weight: 600; color: #1d1d1f; }
-.won { color: #0a7d28; } .lost { color: #b3261e; }
+.won, .expert { color: #0a7d28; } .lost, .detour { color: #b3261e; }
 .step { margin: 6px 0 10px 16px; }
 .observation { color: #555; font-size: 12px; white-space: pre-wrap; margin: 0; }
 .response { font-family: ui-monospace, monospace; font-size: 13px; white-space: pre-wrap; margin: 2px 0; }
@@ -76,13 +76,21 @@ def _group(g: int, group: GroupRecord, steps: Sequence[StepCredit], clip: float)
             v = s.values
             corrected_mean = float(np.mean(v["corrected"])) if len(v["corrected"]) else 0.0
             parts.append(
-                f'<div class="step"><p class="observation">step {s.step}: {html.escape(s.observation[-400:])}</p>'
+                f'<div class="step"><p class="observation">step {s.step}{_expert_mark(s.expert)}: '
+                f"{html.escape(s.observation[-400:])}</p>"
                 f'<div class="response" data-key="{s.group}-{s.trajectory}-{s.step}">{_tokens(s, clip)}</div>'
                 f'<div class="values">mean corrected advantage {corrected_mean:+.3f}; '
                 f"{int(np.sum(v['gap_clipped']))} of {len(s.pieces)} gaps clipped</div></div>"
             )
     parts.append("</section>")
     return "\n".join(parts)
+
+
+def _expert_mark(expert: bool | None) -> str:
+    """The planner's verdict on the step's action, when known."""
+    if expert is None:
+        return ""
+    return ' <span class="expert">(expert step)</span>' if expert else ' <span class="detour">(not an expert step)</span>'
 
 
 def render(record: CreditRecord, clip: float, title: str = "") -> str:

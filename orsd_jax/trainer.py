@@ -191,18 +191,26 @@ def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out:
 
 
 def _save_step(out: pathlib.Path, update: int, advantage: AdvantageConfig, groups, rubrics, index, minibatches) -> None:
-    """What the credit maps show: groups (text), rubric candidates and selection, per-token values."""
+    """What the credit maps show: groups (text), rubric candidates and selection, per-token values,
+    and (ALFWorld) whether each step's action was expert-consistent (``expert.label_episodes``)."""
     directory = out / "steps" / f"{update:05d}"
     directory.mkdir(parents=True, exist_ok=True)
+    expert = [[[None] * len(t.steps) for t in g.trajectories] for g in groups]
+    if groups and groups[0].task.env == "alfworld":
+        from orsd_jax.envs.alfworld.expert import label_episodes
+
+        flat = iter(label_episodes([(g.task, [s.action or "" for s in t.steps]) for g in groups for t in g.trajectories]))
+        expert = [[next(flat) for _ in g.trajectories] for g in groups]
     payload = {
         "groups": [
             {"task": dataclasses.asdict(g.task), "trajectories": [
                 {"won": t.won, "score": t.score, "reward": t.reward, "return": float(r), "steps": [
                     {"observation": s.observation, "response": s.response_text, "action": s.action,
-                     "valid": s.valid, "valid_format": s.valid_format, "reward": s.reward, "response_ids": list(s.response_ids)}
-                    for s in t.steps]}
-                for t, r in zip(g.trajectories, returns(g, advantage))]}
-            for g in groups
+                     "valid": s.valid, "valid_format": s.valid_format, "reward": s.reward,
+                     "response_ids": list(s.response_ids), "expert": e}
+                    for s, e in zip(t.steps, labels)]}
+                for t, r, labels in zip(g.trajectories, returns(g, advantage), experts)]}
+            for g, experts in zip(groups, expert)
         ],
         "rubrics": None if rubrics is None else [
             {"candidates": [{"criteria": list(b.criteria), "reason": b.reason} for b in r.bundles],

@@ -83,6 +83,13 @@ def test_recorded_credit_matches_the_run(run):
         expected = (outcome - outcome.mean()) / (outcome.std(ddof=1) + 1e-6)
         for s in (s for s in record.steps if s.group == g):
             np.testing.assert_allclose(s.values["advantage"], expected[s.trajectory], rtol=1e-5, atol=1e-6)
+    # Expert labels (ALFWorld's planner): every step has one, and an answer without an action (the
+    # engine's no-op) never moves toward the goal.
+    played = [s for g in groups for t in g["trajectories"] for s in t["steps"]]
+    assert all(isinstance(s["expert"], bool) for s in played)
+    assert not any(s["expert"] for s in played if s["action"] is None)
+    assert [s.expert for s in record.steps] == [groups[s.group]["trajectories"][s.trajectory]["steps"][s.step]["expert"]
+                                                for s in record.steps]  # fmt: skip
     rubric_tokens = sum(len(s.response_ids) for s in record.steps if s.criteria is not None)
     np.testing.assert_allclose(logged["loss/rubric_token_frac"] * logged["train/tokens"], rubric_tokens, atol=1e-3)
     for s in record.steps:  # a group without a selected rubric keeps its advantage on every token
@@ -207,6 +214,9 @@ def test_html_report_in_headless_chromium(run, tmp_path, tokenizer):
         key = f"{s.group}-{s.trajectory}-{s.step}"
         ids = steps[s.group]["trajectories"][s.trajectory]["steps"][s.step]["response_ids"]
         assert parser.text[key] == tokenizer.decode(ids) and parser.spans[key] == len(ids)
+    marks = sum(1 for s in record.steps if s.expert), sum(1 for s in record.steps if s.expert is False)
+    dom = rendered_dom(page)
+    assert (dom.count("(expert step)"), dom.count("(not an expert step)")) == marks
     png = screenshot(page, tmp_path / "report.png", width=1000, height=900)
     pixels = np.asarray(Image.open(png).convert("RGB")).astype(int)
     assert pixels.shape == (900, 1000, 3)

@@ -66,3 +66,16 @@ def label_actions(engine, task: Task, actions: Sequence[str]) -> list[ExpertLabe
         if state["won"]:
             break
     return labels
+
+
+def label_episodes(episodes: Sequence[tuple[Task, Sequence[str]]]) -> list[list[bool]]:
+    """Per episode ``(task, actions played)``, each step's ``consistent`` label (an action after the
+    winning step, which the engine does not play, is not consistent), on one planning engine."""
+    from orsd_jax.envs.alfworld.engine import make_engine
+
+    engine = make_engine(plan=True)
+    out = []
+    for task, actions in episodes:
+        labels = [label.consistent for label in label_actions(engine, task, actions)]
+        out.append(labels + [False] * (len(actions) - len(labels)))
+    return out
