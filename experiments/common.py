@@ -11,6 +11,7 @@ import sys
 from orsd_jax.config import METHODS, PRESETS, TrainConfig, VerifierSetup, preset
 from orsd_jax.metrics_log import console_logging
 from orsd_jax.rubrics.verify import DASHSCOPE, VerifierConfig
+from orsd_jax.rubrics.generate import SELECTIONS
 from orsd_jax.rubrics.sources import SOURCES
 
 
@@ -34,6 +35,8 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--min-correlation", type=float, help="keep a selected rubric only if its Spearman correlation reaches this (default: always, as the paper)")
     p.add_argument("--rubric-source", choices=SOURCES, help="where rubric candidates come from (default: policy, the paper's)")
     p.add_argument("--rubric-file", help="with --rubric-source file: JSON mapping task keys to lists of criteria")
+    p.add_argument("--selection", choices=SELECTIONS, help="how a bundle is chosen (default: spearman, the paper's); "
+                   "gap-alignment replays every step once more with each candidate (its cost: time/selection_replay)")
     p.add_argument("--coef", type=float, help="lambda: weight of the rubric correction")
     p.add_argument("--clip", type=float, help="c: the gap is clipped to [-c, c]")
     p.add_argument("--lr", type=float)
@@ -59,7 +62,7 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
              devices=args.devices, fsdp=args.fsdp, sampler=args.sampler, eval_games=args.eval_games, seed=args.seed)  # fmt: skip
     c = set_(c, model=set_(c.model, name=args.model), env=set_(c.env, data_dir=args.data_dir, task_types=args.task_types))
     c = set_(c, rubric=set_(c.rubric, candidates=args.candidates, min_correlation=args.min_correlation, source=args.rubric_source,
-                            source_file=args.rubric_file), loss=set_(c.loss, coef=args.coef, clip=args.clip))  # fmt: skip
+                            source_file=args.rubric_file, selection=args.selection), loss=set_(c.loss, coef=args.coef, clip=args.clip))  # fmt: skip
     c = set_(c, optimizer=set_(c.optimizer, learning_rate=args.lr))
     if args.model:  # an explicit initial policy replaces the preset's warm start
         c = dataclasses.replace(c, model=dataclasses.replace(c.model, warmstart=None, random_shape=None))

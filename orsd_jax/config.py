@@ -121,7 +121,7 @@ class TrainConfig:
 
     @property
     def selection_mode(self) -> str:
-        return {"orsd-single": "single", "orsd-random": "random"}.get(self.method, "spearman")
+        return {"orsd-single": "single", "orsd-random": "random"}.get(self.method, self.rubric.selection)
 
     @property
     def eval_splits(self) -> tuple[str, ...]:

@@ -40,6 +40,7 @@ from orsd_jax.models import CausalLM, ModelConfig, load_model, resolve, save_hf
 from orsd_jax.rollout import Group, PromptBuilder, collect_groups
 from orsd_jax.rubrics import GroupRubric, generate_bundles, rubric_insert, rubric_metrics, verify_and_select
 from orsd_jax.rubrics import sources as rubric_sources
+from orsd_jax.rubrics.alignment import select_by_gap, trajectory_gaps
 from orsd_jax.train_step import TrainState, init_train_state, make_mesh, make_optimizer, make_train_step
 
 log = logging.getLogger("orsd_jax")
@@ -354,9 +355,17 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
         rng = np.random.default_rng([c.seed, update])
         before = dataclasses.replace(run.verifier.stats)
         targets = [rank_targets(g, c.rubric.rank_by, c.advantage) for g in groups]
-        rubrics = [verify_and_select(run.verifier, g, b, c.selection_mode, rng, r, c.rubric.min_correlation)
+        aligned = c.selection_mode == "gap-alignment"  # verified as spearman (logged), then chosen by the replay
+        mode = "spearman" if aligned else c.selection_mode
+        rubrics = [verify_and_select(run.verifier, g, b, mode, rng, r, c.rubric.min_correlation)
                    for g, b, r in progress(list(zip(groups, bundles, targets)), "verify")]  # fmt: skip
         metrics["time/verification"] = time.perf_counter() - t0
+        if aligned:
+            t0, policy = time.perf_counter(), run.policy()
+            for i, (g, r) in enumerate(zip(groups, rubrics)):
+                gaps = trajectory_gaps(policy, g, r.bundles, run.fmt, run.tokenizer, temperature=c.loss.temperature)
+                rubrics[i] = dataclasses.replace(r, selection=select_by_gap(gaps, np.asarray(targets[i], float)))
+            metrics["time/selection_replay"] = time.perf_counter() - t0
         metrics |= rubric_metrics(rubrics)
         after = run.verifier.stats
         for field in dataclasses.fields(after):

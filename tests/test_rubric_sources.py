@@ -4,6 +4,7 @@ training (tiny runs on ALFWorld and WebShop) and as the probe uses them."""
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from experiments.common import config_from_args, parser
@@ -74,3 +75,75 @@ def test_training_reads_the_oracle_bundles(env, method, tmp_path, webshop_data):
         assert expected[0] == webshop_oracle(world_for(WorldKey.make(webshop_data)).goals[int(tasks[0].key)])
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["rubric/bundles"] == 2.0 and metrics[0]["rubric/valid_bundles"] == 2.0
+
+
+# Credit-aware selection (gap-alignment).
+
+
+def test_select_by_gap_by_hand():
+    from orsd_jax.rubrics.alignment import select_by_gap
+
+    gaps = np.array([[0.1, 0.5, 0.2], [0.3, 0.1, 0.2], [np.nan] * 3])
+    chosen = select_by_gap(gaps, np.array([0.0, 10.0, 5.0]))  # ranks 1, 3, 2: bundle 0 agrees exactly
+    assert chosen.index == 0 and chosen.correlations[0] == pytest.approx(1.0) and chosen.correlations[1] == pytest.approx(-1.0)
+    assert select_by_gap(gaps, np.array([1.0, 1.0, 1.0])).reason == "constant rewards"
+    assert select_by_gap(np.full((2, 3), np.nan), np.array([0.0, 1.0, 2.0])).reason == "no valid bundle"
+
+
+def test_trajectory_gaps_equal_the_training_batch():
+    """Each trajectory's mean gap under a candidate, against the loss's own packed batch per step."""
+    from flax import nnx
+    from transformers import AutoTokenizer
+
+    from orsd_jax import chat
+    from orsd_jax.batch import StepSample, build_batch
+    from orsd_jax.loss import response_logprobs
+    from orsd_jax.models import EMBEDDED, CausalLM, ModelConfig, resolve
+    from orsd_jax.rollout import Group, Step, Trajectory
+    from orsd_jax.rubrics import ParsedBundle, rubric_insert
+    from orsd_jax.rubrics.alignment import trajectory_gaps
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve(EMBEDDED))
+    fmt = chat.chat_format(tokenizer)
+    model = CausalLM(ModelConfig("llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
+                                 num_heads=4, num_kv_heads=2, head_dim=8), nnx.Rngs(0))  # fmt: skip
+    task = TASKS[0]
+
+    def step(text, answer):
+        ids = tuple(tokenizer.encode(answer, add_special_tokens=False))
+        return Step(text, tuple(chat.prompt_ids(fmt, tokenizer, text)), ids, (0.0,) * len(ids), answer, "o", "look",
+                    True, True, 0.0, False, 0)  # fmt: skip
+
+    trajectories = [
+        Trajectory(task, (step("You are in a room.", "<think></think><action>look</action>"),
+                          step("You see a desk 1.", "<think></think><action>go to desk 1</action>")), True, 1.0),
+        Trajectory(task, (step("You are in a room.", "<think></think><action>inventory</action>"),), False, 0.0),
+    ]  # fmt: skip
+    bundles = [ParsedBundle(BUNDLES[0], ""), ParsedBundle((), "no list"), ParsedBundle(BUNDLES[1], "")]
+    gaps = trajectory_gaps(model, Group(task, tuple(trajectories)), bundles, fmt, tokenizer, temperature=0.7)
+    assert np.isnan(gaps[1]).all()
+    tail = len(fmt.tail)
+    for k in (0, 2):
+        insert = chat.encode(tokenizer, rubric_insert(BUNDLES[k // 2]))
+        for t, traj in enumerate(trajectories):
+            per_step = []
+            for s in traj.steps:
+                batch = build_batch([StepSample(s.prompt_ids[:-tail], s.prompt_ids[-tail:], s.response_ids,
+                                                s.logprobs, 0.0, insert=insert)])  # fmt: skip
+                with_rubric, without, _ = response_logprobs(model, batch, temperature=0.7)
+                n = len(s.response_ids)
+                per_step.append(float(np.mean(np.asarray(with_rubric)[0, :n] - np.asarray(without)[0, :n])))
+            assert gaps[k, t] == pytest.approx(np.mean(per_step), abs=1e-5)
+
+
+def test_gap_alignment_selection_in_training(tmp_path):
+    config = preset("tiny")
+    train(dataclasses.replace(config, rubric=dataclasses.replace(config.rubric, selection="gap-alignment")), tmp_path)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["time/selection_replay"] > 0 for m in metrics[:2])
+    step = json.loads((tmp_path / "steps" / "00002" / "step.json").read_text())
+    for r in step["rubrics"]:  # the chosen candidate has the best defined gap correlation
+        defined = [(c, k) for k, c in enumerate(r["correlations"]) if c is not None]
+        assert r["chosen"] is None or r["chosen"] == max(defined)[1]
+    with pytest.raises(ValueError, match="unknown selection"):
+        RubricConfig(selection="best")

@@ -21,6 +21,7 @@ from orsd_jax.sampling.base import Sampler, SamplingParams
 
 
 RANK_TARGETS = ("outcome", "return")
+SELECTIONS = ("spearman", "single", "random", "gap-alignment")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +49,18 @@ class RubricConfig:
     # oracle, another task's oracle bundle, or ``source_file`` (JSON: task key -> criteria).
     source: str = "policy"
     source_file: str | None = None
+    # How a bundle is chosen: "spearman" (the paper: satisfaction vs the rank target), "single",
+    # "random", or "gap-alignment" (``alignment``: the candidate whose replayed per-trajectory gap
+    # rank-correlates best with the returns; one extra replay forward per step).
+    selection: str = "spearman"
 
     def __post_init__(self):
         from orsd_jax.rubrics.sources import SOURCES
 
         if self.source not in SOURCES:
             raise ValueError(f"unknown rubric source {self.source!r}; expected one of {SOURCES}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"unknown selection {self.selection!r}; expected one of {SELECTIONS}")
         if (self.source == "file") != (self.source_file is not None):
             raise ValueError("rubric source 'file' and source_file go together")
         if self.rank_by not in RANK_TARGETS:
