@@ -19,6 +19,7 @@ import csv
 import functools
 import json
 import pathlib
+import pickle
 import time
 
 import numpy as np
@@ -217,14 +218,17 @@ def main(argv: list[str] | None = None) -> None:
                                  dict(zip(have, sums[1:]))))  # fmt: skip
     timings["score_states"] = time.perf_counter() - started
 
+    with open(out / "scored.pkl", "wb") as f:  # the scores, to summarise again without replaying
+        pickle.dump({"steps": steps, "states": probed, "stage": stage, "timings": timings}, f)
     demo_loss = demo.loss
+    args.coef, args.clip = demo_loss.coef, demo_loss.clip
     summary = summarise(steps, probed, sources, coef=demo_loss.coef, clip=demo_loss.clip, seed=args.seed)
     _write(out, args, policy, steps, probed, sources, summary, stage, timings, groups)
     print((out / "probe.md").read_text())
 
 
 def _write(out, args, policy, steps, states, sources, summary, stage, timings, groups):
-    from orsd_jax.probe import ACTION, FORMAT
+    from orsd_jax.probe import ACTION, FORMAT, summarise
 
     with open(out / "probe.csv", "w", newline="") as f:
         writer = csv.writer(f)
@@ -246,7 +250,7 @@ def _write(out, args, policy, steps, states, sources, summary, stage, timings, g
                 writer.writerow([st.game, a, int(st.expert[i]), f"{st.without[i]:.6f}", *extra])
     by_type = {}
     for t in sorted({s.task_type for s in steps}):
-        by_type[t] = summarise([s for s in steps if s.task_type == t], [], sources, coef=0.5, clip=1.0, n_boot=500)
+        by_type[t] = summarise([s for s in steps if s.task_type == t], [], sources, coef=args.coef, clip=args.clip, n_boot=500)
     settings = {k: v for k, v in vars(args).items()} | {"policy": str(pathlib.Path(policy).name)}
     info = {"settings": settings, "summary": summary, "by_type": by_type, "rubric_stage": stage, "timings_s": timings,
             "games": len(groups), "episodes": sum(len(g.trajectories) for g in groups),
