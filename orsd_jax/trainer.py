@@ -245,7 +245,9 @@ class Run:
         # The KL's reference policy: the initial policy's parameters, placed once like the policy's
         # (rebuilt from the same initial weights on resume, so it is not checkpointed).
         with_reference = bool(config.loss.kl_coef)
-        self.reference = jax.tree.map(jax.numpy.copy, self.state.params) if with_reference else None
+        # A copy, not an alias: the train step donates (and so frees) the policy's own buffers.
+        copy = lambda x, sharding: jax.device_put(jax.numpy.copy(x), sharding)  # noqa: E731
+        self.reference = jax.tree.map(copy, self.state.params, self.sharding.params) if with_reference else None
         self.train_step = make_train_step(OrsdLoss(config.loss), optimizer, self.graphdef, self.sharding, with_reference)
         self.checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
         # What the non-policy rubric sources read: the oracle, or the user's file (checked now).

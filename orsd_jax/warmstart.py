@@ -211,7 +211,7 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
 
     def log_step(step: int, metrics: dict[str, float]) -> None:
         curve.append({"update": step, **metrics})
-        log(f"update {step}: loss {metrics['loss']:.3f}, likely tokens {metrics['likely_token_frac']:.2f}, {metrics['seconds']:.1f} s")
+        log(f"warm start, optimizer step {step}: loss {metrics['loss']:.3f}, likely tokens {metrics['likely_token_frac']:.2f}, {metrics['seconds']:.1f} s")
 
     trained = finetune(model, demos, run.train, fmt=fmt, log=log_step)
     train_seconds = time.perf_counter() - started - demo_seconds
