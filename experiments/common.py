@@ -51,6 +51,7 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--task-types", type=task_types, help="ALFWorld task types to play, comma-separated (pick,look,clean,heat,cool,pick2)")
     p.add_argument("--seed", type=int)
     p.add_argument("--data-dir", help="WebShop data (default $WEBSHOP_DATA)")
+    p.add_argument("--strict", action="store_true", default=None, help="stop when an ORSD update gets no rubric in any group")
     p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: end the process early
     return p
 
@@ -59,7 +60,8 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
     c = preset(args.preset, env)
     set_ = lambda obj, **kw: dataclasses.replace(obj, **{k: v for k, v in kw.items() if v is not None})  # noqa: E731
     c = set_(c, method=args.method, updates=args.updates, n_tasks=args.n_tasks, group_size=args.group_size,
-             devices=args.devices, fsdp=args.fsdp, sampler=args.sampler, eval_games=args.eval_games, seed=args.seed)  # fmt: skip
+             devices=args.devices, fsdp=args.fsdp, sampler=args.sampler, eval_games=args.eval_games, seed=args.seed,
+             strict=args.strict)  # fmt: skip
     c = set_(c, model=set_(c.model, name=args.model), env=set_(c.env, data_dir=args.data_dir, task_types=args.task_types))
     c = set_(c, rubric=set_(c.rubric, candidates=args.candidates, min_correlation=args.min_correlation, source=args.rubric_source,
                             source_file=args.rubric_file, selection=args.selection), loss=set_(c.loss, coef=args.coef, clip=args.clip))  # fmt: skip

@@ -91,6 +91,9 @@ class TrainConfig:
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     credit_every: int = 0  # record per-token credit every N updates (0: the last update only)
+    # An ORSD update in which no group got a rubric trains as plain GRPO: always a warning and the
+    # metric rubric/update_without_rubric; with strict, an error.
+    strict: bool = False
     seed: int = 0
 
     def __post_init__(self):

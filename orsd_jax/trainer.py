@@ -369,6 +369,13 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
                 rubrics[i] = dataclasses.replace(r, selection=select_by_gap(gaps, np.asarray(targets[i], float)))
             metrics["time/selection_replay"] = time.perf_counter() - t0
         metrics |= rubric_metrics(rubrics)
+        metrics["rubric/update_without_rubric"] = float(not metrics["rubric/groups_with_rubric"])
+        if not metrics["rubric/groups_with_rubric"]:
+            reasons = ", ".join(f"{k.removeprefix('rubric/no_rubric/')} {v:.0f}" for k, v in metrics.items() if k.startswith("rubric/no_rubric/"))
+            message = f"update {update + 1}: no group got a rubric ({reasons}); this update trains as plain GRPO"
+            if c.strict:
+                raise RuntimeError(message + " (--strict)")
+            log.warning(message)
         after = run.verifier.stats
         for field in dataclasses.fields(after):
             metrics[f"verifier/{field.name}"] = float(getattr(after, field.name) - getattr(before, field.name))

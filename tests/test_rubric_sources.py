@@ -147,3 +147,20 @@ def test_gap_alignment_selection_in_training(tmp_path):
         assert r["chosen"] is None or r["chosen"] == max(defined)[1]
     with pytest.raises(ValueError, match="unknown selection"):
         RubricConfig(selection="best")
+
+
+def test_an_update_without_any_rubric_warns_and_strict_stops(tmp_path, caplog):
+    """A file with no rubric for any task: every group gets none, so the update is plain GRPO."""
+    import logging
+
+    empty = tmp_path / "none.json"
+    empty.write_text("{}")
+    config = dataclasses.replace(preset("tiny"), updates=1, rubric=dataclasses.replace(
+        preset("tiny").rubric, source="file", source_file=str(empty)))  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="orsd_jax"):
+        train(config, tmp_path / "run")
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][:1]
+    assert record["rubric/update_without_rubric"] == 1.0 and record["rubric/groups_with_rubric"] == 0.0
+    assert any("trains as plain GRPO" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError, match="no group got a rubric.*--strict"):
+        train(dataclasses.replace(config, strict=True), tmp_path / "strict")
