@@ -78,14 +78,6 @@ def _policy_rubrics(args, sampler, tokenizer, fmt, groups, advantage):
     return [r.criteria for r in chosen], rubric_metrics(chosen)
 
 
-def _labels(groups):
-    """Per group, per trajectory, per step: the expert-consistency label."""
-    from orsd_jax.envs.alfworld.expert import label_episodes
-
-    flat = label_episodes([(g.task, [s.action or "" for s in t.steps]) for g in groups for t in g.trajectories])
-    return [flat[i * len(g.trajectories) : (i + 1) * len(g.trajectories)] for i, g in enumerate(groups)]
-
-
 def _states(groups, per_game: int):
     """The first ``per_game`` states of each group's first trajectory: (group, step, admissible
     actions, the planner's first command)."""
@@ -133,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     from orsd_jax.config import preset
     from orsd_jax.credit import token_pieces
     from orsd_jax.demos import demo_answer
+    from orsd_jax.envs.alfworld.expert import label_groups
     from orsd_jax.metrics_log import console_logging
     from orsd_jax.models import load_model, resolve
     from orsd_jax.probe import ProbeState, ProbeStep, branch_logprobs, summarise, token_classes
@@ -164,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         sampler.close()
     started = time.perf_counter()
-    labels = _labels(groups)
+    labels = label_groups(groups)
     states = _states(groups, args.within_states)
     timings["labels"] = time.perf_counter() - started
 

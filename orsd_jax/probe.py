@@ -25,7 +25,6 @@ import functools
 from typing import Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

@@ -198,10 +198,9 @@ def _save_step(out: pathlib.Path, update: int, advantage: AdvantageConfig, group
     directory.mkdir(parents=True, exist_ok=True)
     expert = [[[None] * len(t.steps) for t in g.trajectories] for g in groups]
     if groups and groups[0].task.env == "alfworld":
-        from orsd_jax.envs.alfworld.expert import label_episodes
+        from orsd_jax.envs.alfworld.expert import label_groups
 
-        flat = iter(label_episodes([(g.task, [s.action or "" for s in t.steps]) for g in groups for t in g.trajectories]))
-        expert = [[next(flat) for _ in g.trajectories] for g in groups]
+        expert = label_groups(groups)
     payload = {
         "groups": [
             {"task": dataclasses.asdict(g.task), "trajectories": [

@@ -15,7 +15,6 @@ import dataclasses
 import http.server
 import json
 import logging
-import os
 import re
 import shutil
 import socket

@@ -79,3 +79,9 @@ def label_episodes(episodes: Sequence[tuple[Task, Sequence[str]]]) -> list[list[
         labels = [label.consistent for label in label_actions(engine, task, actions)]
         out.append(labels + [False] * (len(actions) - len(labels)))
     return out
+
+
+def label_groups(groups) -> list[list[list[bool]]]:
+    """``label_episodes`` of every trajectory of ``rollout.Group``s: per group, per trajectory, per step."""
+    flat = iter(label_episodes([(g.task, [s.action or "" for s in t.steps]) for g in groups for t in g.trajectories]))
+    return [[next(flat) for _ in g.trajectories] for g in groups]
