@@ -14,9 +14,23 @@ only. A sample without a rubric is ``[prefix | tail | response]`` alone: its wit
 log-probs are its without-rubric ones, so its correction is 0. One row costs
 ``P + R + 2 (S + Y)`` tokens instead of ``2 P + R + 2 (S + Y)`` for two separate sequences.
 
+The ``two-stream`` layout keeps the two sequences apart and shares the prefix's keys and values
+instead of its row::
+
+    tokens          prefix   | tail  response   | padding      (the without-rubric stream)
+    rubric_tokens   insert  tail  response      | padding      (the with-rubric stream)
+    rubric_positions P .. P+R+S+Y-1             | P+R+S+Y ...
+
+``orsd_jax.loss`` runs the without-rubric stream with gradients, keeping every layer's keys and
+values, and the with-rubric stream afterwards under stop-gradient, attending to the prefix's keys
+through a cache whose slots are positions: the backward pass never touches the rubric's tokens
+and the prefix is computed once (``benchmarks/loss.py`` measures both layouts against two plain
+forwards). Its padding tokens sit at the slot after the row's last token, which no real token sees.
+
 Shapes: B rows (step samples, padded to ``batch_multiple``), T packed length (padded to
-``seq_multiple``), Y response length (padded to ``response_multiple``). Padding in B, T and Y
-lets the jitted step compile once per bucket.
+``seq_multiple``), U the with-rubric stream's length (two-stream only, padded the same), Y
+response length (padded to ``response_multiple``). Padding in B, T, U and Y lets the jitted step
+compile once per bucket.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SHARED, WITH, WITHOUT, PAD = 0, 1, 2, -1
+LAYOUTS = ("packed", "two-stream")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +68,8 @@ class Batch:
     positions: jax.Array  # int32[B, T]
     branch: jax.Array  # int32[B, T]: SHARED, WITH, WITHOUT or PAD
     response: jax.Array  # int32[B, Y]: the response tokens
-    with_index: jax.Array  # int32[B, Y]: row index whose output predicts response[:, j] with the rubric
+    # Row index whose output predicts response[:, j] with the rubric (two-stream: in rubric_tokens).
+    with_index: jax.Array  # int32[B, Y]
     without_index: jax.Array  # int32[B, Y]: the same without the rubric
     response_mask: jax.Array  # float32[B, Y]: 1 on real response tokens
     old_logp: jax.Array  # float32[B, Y]
@@ -62,6 +78,19 @@ class Batch:
     ref_logp: jax.Array | None = None  # float32[B, Y]
     # [B, T, D]: the model's ``frozen_states`` of ``tokens``, computed once (the warm start's epochs).
     frozen: jax.Array | None = None
+    # The two-stream layout's with-rubric stream (None: the packed layout).
+    rubric_tokens: jax.Array | None = None  # int32[B, U]
+    rubric_positions: jax.Array | None = None  # int32[B, U]
+    rubric_branch: jax.Array | None = None  # int32[B, U]: WITH or PAD
+
+    @property
+    def two_stream(self) -> bool:
+        return self.rubric_tokens is not None
+
+    def token_counts(self) -> tuple[int, int]:
+        """``(tokens, slots)``: the tokens the forward passes read, without and with their padding."""
+        branches = [np.asarray(self.branch)] + ([np.asarray(self.rubric_branch)] if self.two_stream else [])
+        return sum(int(np.sum(b != PAD)) for b in branches), sum(b.size for b in branches)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -77,6 +106,20 @@ def _check(i: int, s: StepSample) -> None:
         raise ValueError(f"sample {i}: {len(s.old_logprobs)} old log-probs for {len(s.response)} response tokens")
     if s.ref_logprobs is not None and len(s.ref_logprobs) != len(s.response):
         raise ValueError(f"sample {i}: {len(s.ref_logprobs)} reference log-probs for {len(s.response)} tokens")
+
+
+def _two_streams(s: StepSample) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
+    """The two-stream layout of one sample: the without-rubric stream's tokens and branch ids, the
+    with-rubric stream's tokens and positions, and the predicting index of each response token in
+    each stream (the with-rubric stream empty without a rubric, and its index 0)."""
+    p, r, st, y = len(s.prefix), len(s.insert), len(s.tail), len(s.response)
+    tokens = [*s.prefix, *s.tail, *s.response]
+    branch = [SHARED] * p + [WITHOUT] * (st + y)
+    without_index = [p + st + j - 1 for j in range(y)]
+    if not r:
+        return tokens, branch, [], [], [0] * y, without_index
+    rubric = [*s.insert, *s.tail, *s.response]
+    return tokens, branch, rubric, list(range(p, p + len(rubric))), [r + st + j - 1 for j in range(y)], without_index
 
 
 def _pack(s: StepSample) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
@@ -109,8 +152,10 @@ def build_batch(
     response_multiple: int = 16,
     batch_multiple: int = 1,
     pad_id: int = 0,
+    layout: str = "packed",
 ) -> Batch:
-    """Packs step samples into a ``Batch`` of numpy arrays (see the module docstring for the layout).
+    """Packs step samples into a ``Batch`` of numpy arrays in ``layout`` (``LAYOUTS``, see the
+    module docstring).
 
     Padding rows (to make B a multiple of ``batch_multiple``, e.g. devices x micro-batches) have
     no tokens and no response mask, so they add nothing to any loss or count. Reference log-probs
@@ -123,7 +168,13 @@ def build_batch(
     with_ref = [s.ref_logprobs is not None for s in samples]
     if any(with_ref) and not all(with_ref):
         raise ValueError("reference log-probs must be given for every sample or for none")
-    rows = [_pack(s) for s in samples]
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+    if layout == "two-stream":
+        streams = [_two_streams(s) for s in samples]
+        rows = [(tok, list(range(len(tok))), br, w_idx, wo_idx) for tok, br, _, _, w_idx, wo_idx in streams]
+    else:
+        rows = [_pack(s) for s in samples]
     b = _round_up(len(samples), batch_multiple)
     t = _round_up(max(len(row[0]) for row in rows), seq_multiple)
     y = _round_up(max(len(s.response) for s in samples), response_multiple)
@@ -150,7 +201,20 @@ def build_batch(
             ref_logp[i, :m] = s.ref_logprobs
         advantage[i] = s.advantage
         has_rubric[i] = bool(s.insert)
+    two_stream = {}
+    if layout == "two-stream":
+        u = _round_up(max(1, *(len(stream[2]) for stream in streams)), seq_multiple)
+        rubric_tokens = np.full((b, u), pad_id, np.int32)
+        rubric_positions = np.zeros((b, u), np.int32)
+        rubric_branch = np.full((b, u), PAD, np.int32)
+        for i, (_, _, rubric, pos, _, _) in enumerate(streams):
+            if rubric:
+                n = len(rubric)
+                rubric_tokens[i, :n], rubric_branch[i, :n] = rubric, WITH
+                rubric_positions[i] = [*pos, *[pos[-1] + 1] * (u - n)]  # padding: the slot no real token sees
+        two_stream = dict(rubric_tokens=rubric_tokens, rubric_positions=rubric_positions, rubric_branch=rubric_branch)
     return Batch(
+        **two_stream,
         tokens=tokens,
         positions=positions,
         branch=branch,

@@ -12,8 +12,8 @@ Per response token ``j`` of step sample ``i`` (``l+``/``l-``: log-probs with/wit
     pg     = max(-Ahat r, -Ahat clip(r, 1 - clip_low, 1 + clip_high)), and min(pg, -Ahat dual_clip) if Ahat < 0
     loss   = pg + kl_coef * k3(l_ref, l-) - entropy_coef * H
 
-``l+`` comes from the same forward as ``l-`` (the packed layout of ``orsd_jax.batch``) and is
-under stop-gradient. ``l_ref`` is a frozen reference policy's (the initial policy, verl-agent's
+``l+`` comes from the same forward as ``l-`` (the packed layout of ``orsd_jax.batch``) or from
+the two-stream replay that reuses its prefix's keys and values, and is under stop-gradient. ``l_ref`` is a frozen reference policy's (the initial policy, verl-agent's
 ``use_kl_loss``): ``batch.ref_logp`` when the batch carries it, else computed in the same step
 from the reference model the train step hands the loss.
 """
@@ -24,10 +24,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from orsd_jax.advantages import orsd_token_advantages
 from orsd_jax.batch import Batch, tree_attention_mask
 from orsd_jax.models import CausalLM
+from orsd_jax.models.decoder import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,17 +55,30 @@ class LossConfig:
 def response_logprobs(
     model: CausalLM, batch: Batch, *, temperature: float = 1.0, chunk_size: int = 64, with_rubric: bool = True
 ) -> tuple[jax.Array | None, jax.Array, jax.Array]:
-    """One forward over the packed batch: ``(logp_with, logp_without, entropy_without)``, each ``[B, Y]``.
+    """``(logp_with, logp_without, entropy_without)``, each ``[B, Y]``, from the batch in either
+    layout of ``orsd_jax.batch``: one forward over packed rows, or the two-stream replay.
 
-    ``logp_with`` is under stop-gradient (for samples without a rubric it equals ``logp_without``),
-    and ``None`` when ``with_rubric`` is off (its LM head is then skipped).
+    ``logp_with`` is under stop-gradient (for samples without a rubric it is meaningless: the loss
+    uses ``logp_without`` there), and ``None`` when ``with_rubric`` is off (the with-rubric LM head,
+    and in the two-stream layout the whole with-rubric stream, are then skipped).
     """
     mask = tree_attention_mask(batch.branch)
-    hidden, _ = model.hidden_states(batch.tokens, batch.positions, mask=mask, frozen=batch.frozen)
+    keys_values = batch.two_stream and with_rubric
+    hidden, prefix = model.hidden_states(
+        batch.tokens, batch.positions, mask=mask, frozen=batch.frozen, keys_values=keys_values
+    )
     options = dict(temperature=temperature, chunk_size=chunk_size)
     logp_without, entropy = logprobs_at(model, hidden, batch.without_index, batch.response, with_entropy=True, **options)
     if not with_rubric:
         return None, logp_without, entropy
+    if keys_values:
+        # The with-rubric stream reads the prefix's keys and values from a cache whose slots are
+        # positions, with the policy's parameters under stop-gradient: no backward pass over it.
+        graphdef, params = nnx.split(model)
+        model = nnx.merge(graphdef, jax.lax.stop_gradient(params))
+        slots = ((0, 0), (0, 0), (0, batch.rubric_tokens.shape[1]), (0, 0), (0, 0))  # [L, B, T + U, K, H]
+        cache = KVCache(*(jnp.pad(x, slots) for x in prefix))
+        hidden, _ = model.hidden_states(batch.rubric_tokens, batch.rubric_positions, cache=cache)
     logp_with, _ = logprobs_at(model, hidden, batch.with_index, batch.response, **options)
     return jax.lax.stop_gradient(logp_with), logp_without, entropy
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from orsd_jax.batch import PAD, SHARED, WITH, WITHOUT, StepSample, build_batch, tree_attention_mask
+from orsd_jax.batch import LAYOUTS, PAD, SHARED, WITH, WITHOUT, StepSample, build_batch, tree_attention_mask
 from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss
 from orsd_jax.models import CausalLM, ModelConfig
 
@@ -268,9 +268,10 @@ def assert_trees_close(a, b, tol=1e-5):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol, err_msg=jax.tree_util.keystr(path))
 
 
-def test_one_packed_forward_equals_two_forwards():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_packed_forward_equals_two_forwards(layout):
     samples, reference = reference_case()
-    batch = build_batch(samples, seq_multiple=16, response_multiple=4, batch_multiple=8)  # 3 all-padding rows
+    batch = build_batch(samples, seq_multiple=16, response_multiple=4, batch_multiple=8, layout=layout)  # 3 padding rows
     assert batch.has_rubric.sum() == 3 and batch.tokens.shape[0] == 8
     loss, grads = packed_value_and_grad(batch, LOSS)
     expected_loss, expected_grads = reference(tiny_model()[1], LOSS.coef)
@@ -281,6 +282,55 @@ def test_one_packed_forward_equals_two_forwards():
     plain_loss, plain_grads = reference(tiny_model()[1], 0.0)
     assert abs(float(plain_loss) - float(loss)) > 1e-3
     assert max_tree_diff(grads, plain_grads) > 1e-3
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_frozen_bottom_layers_equal_two_forwards(layout):
+    """With the embedding and the first layer frozen (``ModelConfig.frozen_layers``, as cpu-demo),
+    the loss is the independent objective's and the trained parameters' gradients are its
+    gradients; the frozen ones get none."""
+    samples, reference = reference_case()
+    graphdef, params = tiny_model()
+    frozen_graphdef, _ = nnx.split(nnx.eval_shape(lambda: CausalLM(dataclasses.replace(CONFIG, frozen_layers=1), nnx.Rngs(0))))
+    batch = build_batch(samples, seq_multiple=16, response_multiple=4, layout=layout)
+
+    def f(p):
+        loss_sum, count, _, _ = OrsdLoss(LOSS)(nnx.merge(frozen_graphdef, p), batch)
+        return loss_sum / count
+
+    loss, grads = fast_jit(jax.value_and_grad(f))(params)
+    expected_loss, expected_grads = reference(params, LOSS.coef)
+    np.testing.assert_allclose(float(loss), float(expected_loss), atol=1e-5, rtol=0)
+    for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(expected_grads)):
+        name, g, e = jax.tree_util.keystr(path), np.asarray(g), np.asarray(e)
+        if "layers" in name:
+            np.testing.assert_array_equal(g[:1], 0, err_msg=name)
+            np.testing.assert_allclose(g[1:], e[1:], atol=1e-5, rtol=1e-5, err_msg=name)
+        elif "embed" in name:
+            np.testing.assert_array_equal(g, 0)
+        else:
+            np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_two_stream_layout_by_hand():
+    with_rubric = StepSample(prefix=[11, 12], insert=[21, 22, 23], tail=[31], response=[41, 42],
+                             old_logprobs=[-1.0, -2.0], advantage=0.5)  # fmt: skip
+    plain = StepSample(prefix=[13], tail=[32, 33], response=[43, 44, 45], old_logprobs=[-3.0, -4.0, -5.0],
+                       advantage=-1.0)  # fmt: skip
+    b = build_batch([with_rubric, plain], seq_multiple=4, response_multiple=4, batch_multiple=4, layout="two-stream")
+    # The without-rubric stream: [prefix | tail response], plain positions.
+    np.testing.assert_array_equal(b.tokens[:2], [[11, 12, 31, 41, 42, 0, 0, 0], [13, 32, 33, 43, 44, 45, 0, 0]])
+    np.testing.assert_array_equal(b.positions[0], [0, 1, 2, 3, 4, 0, 0, 0])
+    np.testing.assert_array_equal(b.branch[:2], [[0, 0, 2, 2, 2, -1, -1, -1], [0, 2, 2, 2, 2, 2, -1, -1]])
+    np.testing.assert_array_equal(b.without_index[:2], [[2, 3, 0, 0], [2, 3, 4, 0]])
+    # The with-rubric stream continues the prefix at position 2; its padding sits at slot 8.
+    np.testing.assert_array_equal(b.rubric_tokens[0], [21, 22, 23, 31, 41, 42, 0, 0])
+    np.testing.assert_array_equal(b.rubric_positions[0], [2, 3, 4, 5, 6, 7, 8, 8])
+    np.testing.assert_array_equal(b.rubric_branch[0], [1] * 6 + [-1] * 2)
+    np.testing.assert_array_equal(b.with_index[0], [3, 4, 0, 0])  # 41 follows 31 (index 3), 42 follows 41
+    assert (b.rubric_branch[1:] == PAD).all()  # no rubric, no stream
+    # Read: prefix + tail + response twice, the rubric once; slots with their padding.
+    assert b.token_counts() == (2 + 1 + 2 + 6 + 1 + 2 + 3, 4 * 8 + 4 * 8)
 
 
 def test_coef_zero_is_plain_grpo():

@@ -232,7 +232,9 @@ class Attention(nnx.Module):
         self.config = config
 
     def __call__(self, x, positions, mask, cache: tuple[jax.Array, jax.Array] | None):
-        """x ``[B, T, D]``; with ``cache`` (k, v ``[B, S, K, H]``) keys are written at their positions."""
+        """x ``[B, T, D]`` -> ``(out [B, T, D], (k, v))``: with ``cache`` (k, v ``[B, S, K, H]``) the
+        keys are written at their positions and the updated cache comes back; without, this call's
+        own keys and values ``[B, T, K, H]`` (the two-stream replay attends to a prefix's)."""
         dt = x.dtype
         q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x, self.k[...].astype(dt))
@@ -245,9 +247,8 @@ class Attention(nnx.Module):
             rows = jnp.arange(x.shape[0])[:, None]
             k = cache[0].at[rows, positions].set(k.astype(cache[0].dtype))
             v = cache[1].at[rows, positions].set(v.astype(cache[1].dtype))
-            cache = (k, v)
         out = attend(q, k.astype(dt), v.astype(dt), mask, causal=cache is None)
-        return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), cache
+        return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), (k, v)
 
 
 class MLP(nnx.Module):
@@ -319,8 +320,11 @@ class CausalLM(nnx.Module):
         mask: jax.Array | None = None,
         cache: KVCache | None = None,
         frozen: jax.Array | None = None,
+        keys_values: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Final-normed hidden states ``[B, T, D]`` (and the updated cache when one is given).
+        """Final-normed hidden states ``[B, T, D]`` and the updated cache when one is given; without a
+        cache, ``keys_values`` returns every layer's keys and values of these tokens instead (a
+        ``KVCache`` of ``[L, B, T, K, H]``, under stop-gradient), else ``None``.
 
         ``mask bool[B, T, S]`` overrides the default (causal within ``segment_ids``; with a cache:
         every slot at or before the query's position); without a cache it must never let a token
@@ -333,6 +337,12 @@ class CausalLM(nnx.Module):
         if cache is not None:
             x, new_cache = self._layers(self._embed(input_ids), positions, mask, slice(None), tuple(cache))
             return self.final_norm(x), KVCache(*new_cache)
+        if keys_values:
+            if frozen is not None:
+                raise ValueError("keys_values needs the frozen layers' keys: run them (frozen=None)")
+            x, bottom = self._layers(self._embed(input_ids), positions, mask, slice(0, k), keys_values=True)
+            x, top = self._layers(jax.lax.stop_gradient(x) if k else x, positions, mask, slice(k, None), keys_values=True)
+            return self.final_norm(x), KVCache(*(jnp.concatenate(pair) for pair in zip(bottom, top)))
         if frozen is None:
             frozen = self.frozen_states(input_ids, positions, mask=mask)
         x, _ = self._layers(frozen.astype(jnp.dtype(self.config.compute_dtype)), positions, mask, slice(k, None))
@@ -370,15 +380,19 @@ class CausalLM(nnx.Module):
                 mask = segment_mask(jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids)
         return positions, mask
 
-    def _layers(self, x, positions, mask, layers: slice, cache=None):
-        """Runs the stacked layers ``layers`` over ``x [B, T, D]`` with a scan (and their cache slices)."""
+    def _layers(self, x, positions, mask, layers: slice, cache=None, keys_values: bool = False):
+        """Runs the stacked layers ``layers`` over ``x [B, T, D]`` with a scan; returns the output and
+        the layers' updated cache slices, or (``keys_values``, no cache) their keys and values under
+        stop-gradient, or ``None``."""
         graphdef, layer_state = nnx.split(self.layers)
         layer_state = jax.tree.map(lambda a: a[layers], layer_state)
 
         def body(h, layer_in):
             state, layer_cache = layer_in
-            h, layer_cache = nnx.merge(graphdef, state)(h, positions, mask, layer_cache)
-            return h, layer_cache
+            h, kv = nnx.merge(graphdef, state)(h, positions, mask, layer_cache)
+            if layer_cache is None:
+                kv = jax.lax.stop_gradient(kv) if keys_values else None
+            return h, kv
 
         if self.config.remat:
             body = jax.checkpoint(body)
