@@ -1,11 +1,14 @@
-"""ORSD train step on the embedded model at agent-like shapes: one packed forward vs two forwards.
+"""ORSD train step on the embedded model at agent-like shapes: the layouts of the with-/without-rubric replay.
 
-Usage: python benchmarks/loss.py [--rows 4] [--prompt 600] [--rubric 150] [--response 60] [--reps 3]
-                                 [--layers N] [--no-remat] [--query-blocks 1 4]
+Usage: python -m benchmarks.loss [--rows 4] [--prompt 600] [--rubric 150] [--response 60] [--reps 3]
+                                 [--layers N] [--frozen-layers N] [--no-remat] [--query-blocks 4]
 
-Three ways to get the with- and without-rubric log-probs of a batch, each timed as a whole
-train step (loss, gradients, clipping, AdamW), interleaved in one run (medians of ``--reps``):
+Ways to get the with- and without-rubric log-probs of a batch, each timed as a whole train step
+(loss, gradients, clipping, AdamW), interleaved in one run (medians of ``--reps``):
 
+- ``two-stream``: the without-rubric rows ``[prefix | tail response]`` with gradients, keeping
+  every layer's keys and values, then the with-rubric rows ``[rubric tail response]`` under
+  stop-gradient attending to the prefix's keys through a cache (``orsd_jax.batch``);
 - ``packed``: one forward over ``[prefix | rubric tail response] [tail response]`` rows
   (``P + R + 2 (S + Y)`` tokens a row), the with-rubric half under stop-gradient;
 - ``two forwards``: a with-rubric forward outside the gradient (``P + R + S + Y``) and a
@@ -13,19 +16,17 @@ train step (loss, gradients, clipping, AdamW), interleaved in one run (medians o
 - ``unshared``: both sequences as ``2 B`` rows of one batched forward, stop-gradient on half: the
   backward still runs over both halves.
 
-Cost model, in token passes through the layers per row (forward 1, backward 2, remat 1 more):
-packed ``k (P + R + 2 (S + Y))``, two forwards ``(P + R + S + Y) + k (P + S + Y)``, unshared
-``k 2 (P + R + S + Y)`` with ``k = 3`` (``4`` with remat). Packing saves ``P - 2 (R + S + Y)``
-passes over two forwards without remat and ``P - 3 (R + S + Y)`` with it: the backward also runs
-over the with-rubric tokens, whose gradient is zero. Dense ``T x T`` attention adds a cost that
-grows with the longer packed row.
-
-Each layout runs with each ``--query-blocks`` setting of the attention (``decoder.QUERY_BLOCKS``:
-1 is dense ``[T, T]`` attention, 4 the default, which scores each quarter of the queries against
-the keys up to its end only).
+Cost model, in token passes through the trained layers per row (forward 1, backward 2, remat 1
+more, so ``k = 3`` or ``4``): two-stream ``k (P + S + Y) + (R + S + Y)``, packed
+``k (P + R + 2 (S + Y))``, two forwards ``k (P + S + Y) + (P + R + S + Y)``, unshared
+``k 2 (P + R + S + Y)``. The two-stream layout saves the prefix's second forward (``P`` passes)
+over two forwards and ``(k - 1) (R + S + Y)`` backward passes over the packed layout. Frozen
+bottom layers (``--frozen-layers``, cpu-demo's fine-tune) run forward only, so there every
+layout's cost is mostly forwards and sharing the prefix saves most.
 
 Also measured here: the f32 matmul rate (2048^3) as the machine's peak. FLOPs per step are the
-dense work each layout executes (``orsd_jax.estimate.forward_flops``; backward 2x, remat 1x).
+dense work each layout executes (``orsd_jax.estimate.step_flops``); their ratio to two forwards'
+is printed beside the measured ratio.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from flax import nnx
 
 from orsd_jax import chat
 from orsd_jax.batch import StepSample, build_batch
-from orsd_jax.estimate import forward_flops
+from orsd_jax.estimate import forward_flops, step_flops, train_flops
 from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss, response_logprobs
 from orsd_jax.models import EMBEDDED, CausalLM, decoder, load_model
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
@@ -55,7 +56,10 @@ class TwoForwardLoss(OrsdLoss):
     def __call__(self, model, batch):
         with_rows, without_rows = batch
         c = self.config
-        _, logp_with, _ = response_logprobs(model, with_rows, temperature=c.temperature, with_rubric=False)
+        # The with-rubric forward on stop-gradient parameters: no tangents, nothing kept for a backward.
+        graphdef, params = nnx.split(model)
+        frozen = nnx.merge(graphdef, jax.lax.stop_gradient(params))
+        _, logp_with, _ = response_logprobs(frozen, with_rows, temperature=c.temperature, with_rubric=False)
         _, logp, entropy = response_logprobs(model, without_rows, temperature=c.temperature, with_rubric=False)
         return policy_loss(logp, entropy, jax.lax.stop_gradient(logp_with), without_rows, c)
 
@@ -72,32 +76,35 @@ class UnsharedLoss(OrsdLoss):
         return policy_loss(logp[b:], entropy[b:], jax.lax.stop_gradient(logp[:b]), without, c)
 
 
+LAYOUTS = ("two-stream", "packed", "two forwards", "unshared [2B, T]")
+
+
 def layouts(samples: list[StepSample]):
     """The three batches and the tokens each layout's forward runs over (padded)."""
     plain = lambda s, with_rubric: dataclasses.replace(  # noqa: E731
         s, prefix=[*s.prefix, *s.insert] if with_rubric else s.prefix, insert=()
     )
     rubric_flag = lambda b: b.replace(has_rubric=np.ones_like(b.has_rubric))  # noqa: E731
-    packed = build_batch(samples)
     with_rows = build_batch([plain(s, True) for s in samples])
     without_rows = rubric_flag(build_batch([plain(s, False) for s in samples]))
     unshared = rubric_flag(build_batch([plain(s, True) for s in samples] + [plain(s, False) for s in samples]))
     return {
-        "packed": (OrsdLoss, packed),
+        "two-stream": (OrsdLoss, build_batch(samples, layout="two-stream")),
+        "packed": (OrsdLoss, build_batch(samples)),
         "two forwards": (TwoForwardLoss, (with_rows, without_rows)),
         "unshared [2B, T]": (UnsharedLoss, unshared),
     }
 
 
-def executed_flops(config, name: str, batch, remat: bool) -> float:
-    train = 4 if remat else 3  # forward, backward (2x), and the recomputed forward under remat
+def executed_flops(config, name: str, batch) -> float:
+    """Dense FLOPs of one train step of ``name`` on ``batch`` (``orsd_jax.estimate``)."""
     if name == "two forwards":
         with_rows, without_rows = batch
         y = with_rows.response.shape[1]
-        with_flops = forward_flops(config, *with_rows.tokens.shape, y)
-        return with_flops + train * forward_flops(config, *without_rows.tokens.shape, y)
-    heads = 2 * batch.response.shape[1] if name == "packed" else batch.response.shape[1]
-    return train * forward_flops(config, *batch.tokens.shape, heads)
+        return forward_flops(config, *with_rows.tokens.shape, y) + train_flops(config, *without_rows.tokens.shape, y)
+    if name.startswith("unshared"):
+        return train_flops(config, *batch.tokens.shape, batch.response.shape[1])
+    return step_flops(config, batch)
 
 
 def first_layers(model: CausalLM, n: int) -> CausalLM:
@@ -123,10 +130,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-remat", action="store_true", help="keep every layer's activations")
     parser.add_argument("--layers", type=int, default=None, help="use only the first N of the 30 layers")
-    parser.add_argument("--query-blocks", type=int, nargs="+", default=[1, decoder.QUERY_BLOCKS], help="attention variants")
+    parser.add_argument("--frozen-layers", type=int, default=0, help="train only the layers above the first N (cpu-demo: 26)")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--query-blocks", type=int, nargs="+", default=[decoder.QUERY_BLOCKS], help="attention variants (1: dense)")
     args = parser.parse_args()
 
-    model, tokenizer = load_model(EMBEDDED, remat=not args.no_remat)
+    model, tokenizer = load_model(EMBEDDED, remat=not args.no_remat, frozen_layers=args.frozen_layers)
     if args.layers:
         model = first_layers(model, args.layers)
     fmt = chat.chat_format(tokenizer)
@@ -143,7 +152,7 @@ def main() -> None:
         )
         for _ in range(args.rows)
     ]
-    optimizer = make_optimizer()
+    optimizer = make_optimizer(frozen_layers=args.frozen_layers)
     # One train state passed from layout to layout: the layouts share its structure and sharding.
     graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
     del model  # the state holds a copy of the parameters
@@ -151,6 +160,8 @@ def main() -> None:
     for blocks in args.query_blocks:
         decoder.QUERY_BLOCKS = blocks  # read when the step is traced, on its first call just below
         for name, (loss_cls, batch) in layouts(samples).items():
+            if name not in args.layouts:
+                continue
             step = make_train_step(loss_cls(LossConfig()), optimizer, graphdef, sharding)
             start = time.perf_counter()
             state, _, _ = step(state, batch)
@@ -171,22 +182,30 @@ def main() -> None:
 
     p, s = len(samples[0].prefix), len(samples[0].tail)
     trained = args.rows * (p + s + args.response)  # tokens of the without-rubric sequences
-    print(f"SmolLM2-135M f32 ({config.num_layers} layers), remat {not args.no_remat}, {args.rows} samples: "
-          f"prompt {p} (chat head + text), rubric {args.rubric}, tail {s}, response {args.response}; "
+    print(f"SmolLM2-135M f32 ({config.num_layers} layers, {args.frozen_layers} frozen), remat {not args.no_remat}, "
+          f"{args.rows} samples: prompt {p} (chat head + text), rubric {args.rubric}, tail {s}, response {args.response}; "
           f"{jax.devices()[0].platform}, matmul peak {peak / 1e9:.0f} GFLOP/s")  # fmt: skip
     median = {key: statistics.median(run["times"]) for key, run in runs.items()}
-    dense = args.query_blocks[0]
+    flops = {key: executed_flops(config, key[0], run["batch"]) for key, run in runs.items()}
     columns = ["layout", "query blocks", "tokens per row", "step s (median)", "trained tokens/s", "GFLOP/s executed",
-               "% of matmul peak", "vs two forwards", f"vs {dense} block(s)"]  # fmt: skip
+               "% of matmul peak", "FLOP ratio vs two forwards", "measured vs two forwards", "measured / FLOP ratio",
+               "vs packed"]  # fmt: skip
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for (name, blocks), run in runs.items():
-        t = median[name, blocks]
+        t, f = median[name, blocks], flops[name, blocks]
         batch = run["batch"]
         rows = batch if name == "two forwards" else (batch,)
-        shape = "+".join(str(b.tokens.shape[1]) for b in rows)
-        flops = executed_flops(config, name, batch, not args.no_remat)  # dense work: blocks skip some of it
-        print(f"| {name} | {blocks} | {shape} | {t:.2f} | {trained / t:.0f} | {flops / t / 1e9:.0f} | "
-              f"{100 * flops / t / peak:.0f}% | {median['two forwards', blocks] / t:.2f}x | {median[name, dense] / t:.2f}x |")  # fmt: skip
+        shape = " + ".join(str(b.tokens.shape[1]) for b in rows)
+        if name == "two-stream":
+            shape += f" + {batch.rubric_tokens.shape[1]}"
+        cells = [name, blocks, shape, f"{t:.2f}", f"{trained / t:.0f}", f"{f / t / 1e9:.0f}", f"{100 * f / t / peak:.0f}%"]
+        if ("two forwards", blocks) in runs:
+            flop_ratio, measured = flops["two forwards", blocks] / f, median["two forwards", blocks] / t
+            cells += [f"{flop_ratio:.2f}x", f"{measured:.2f}x", f"{measured / flop_ratio:.0%}"]
+        else:
+            cells += ["", "", ""]
+        cells.append(f"{median['packed', blocks] / t:.2f}x" if ("packed", blocks) in runs else "")
+        print("| " + " | ".join(map(str, cells)) + " |")
     print("compile s: " + ", ".join(f"{name} ({blocks}) {run['compile']:.0f}" for (name, blocks), run in runs.items()))
 
 

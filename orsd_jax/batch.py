@@ -58,6 +58,9 @@ class StepSample:
     advantage: float  # GRPO trajectory advantage or GiGPO step advantage
     insert: Sequence[int] = ()
     ref_logprobs: Sequence[float] | None = None  # a reference policy's log-probs of ``response``
+    # The sampler's log-probs when ``old_logprobs`` are the trainer's own at the rollout's
+    # parameters (truncated importance sampling, ``LossConfig.tis_cap``).
+    sampler_logprobs: Sequence[float] | None = None
 
 
 @flax.struct.dataclass
@@ -76,6 +79,7 @@ class Batch:
     advantage: jax.Array  # float32[B]
     has_rubric: jax.Array  # bool[B]
     ref_logp: jax.Array | None = None  # float32[B, Y]
+    sampler_logp: jax.Array | None = None  # float32[B, Y]
     # [B, T, D]: the model's ``frozen_states`` of ``tokens``, computed once (the warm start's epochs).
     frozen: jax.Array | None = None
     # The two-stream layout's with-rubric stream (None: the packed layout).
@@ -104,8 +108,10 @@ def _check(i: int, s: StepSample) -> None:
         raise ValueError(f"sample {i}: empty response")
     if len(s.old_logprobs) != len(s.response):
         raise ValueError(f"sample {i}: {len(s.old_logprobs)} old log-probs for {len(s.response)} response tokens")
-    if s.ref_logprobs is not None and len(s.ref_logprobs) != len(s.response):
-        raise ValueError(f"sample {i}: {len(s.ref_logprobs)} reference log-probs for {len(s.response)} tokens")
+    for name in ("ref_logprobs", "sampler_logprobs"):
+        values = getattr(s, name)
+        if values is not None and len(values) != len(s.response):
+            raise ValueError(f"sample {i}: {len(values)} {name} for {len(s.response)} response tokens")
 
 
 def _two_streams(s: StepSample) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
@@ -158,16 +164,18 @@ def build_batch(
     module docstring).
 
     Padding rows (to make B a multiple of ``batch_multiple``, e.g. devices x micro-batches) have
-    no tokens and no response mask, so they add nothing to any loss or count. Reference log-probs
-    are kept when every sample has them and dropped (``None``) when none has.
+    no tokens and no response mask, so they add nothing to any loss or count. Reference and
+    sampler log-probs are kept when every sample has them and dropped (``None``) when none has.
     """
     if not samples:
         raise ValueError("no step samples")
     for i, s in enumerate(samples):
         _check(i, s)
-    with_ref = [s.ref_logprobs is not None for s in samples]
-    if any(with_ref) and not all(with_ref):
-        raise ValueError("reference log-probs must be given for every sample or for none")
+    optional = ("ref_logprobs", "sampler_logprobs")  # per-token log-probs every sample has, or none
+    for name in optional:
+        given = [getattr(s, name) is not None for s in samples]
+        if any(given) and not all(given):
+            raise ValueError(f"{name} must be given for every sample or for none")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
     if layout == "two-stream":
@@ -186,8 +194,7 @@ def build_batch(
     with_index = np.zeros((b, y), np.int32)
     without_index = np.zeros((b, y), np.int32)
     mask = np.zeros((b, y), np.float32)
-    old_logp = np.zeros((b, y), np.float32)
-    ref_logp = np.zeros((b, y), np.float32)
+    logps = {name: np.zeros((b, y), np.float32) for name in ("old_logprobs", *optional)}
     advantage = np.zeros((b,), np.float32)
     has_rubric = np.zeros((b,), bool)
     for i, (s, (tok, pos, br, w_idx, wo_idx)) in enumerate(zip(samples, rows)):
@@ -196,9 +203,9 @@ def build_batch(
         response[i, :m] = s.response
         with_index[i, :m], without_index[i, :m] = w_idx, wo_idx
         mask[i, :m] = 1.0
-        old_logp[i, :m] = s.old_logprobs
-        if s.ref_logprobs is not None:
-            ref_logp[i, :m] = s.ref_logprobs
+        for name, values in logps.items():
+            if getattr(s, name) is not None:
+                values[i, :m] = getattr(s, name)
         advantage[i] = s.advantage
         has_rubric[i] = bool(s.insert)
     two_stream = {}
@@ -212,7 +219,7 @@ def build_batch(
                 n = len(rubric)
                 rubric_tokens[i, :n], rubric_branch[i, :n] = rubric, WITH
                 rubric_positions[i] = [*pos, *[pos[-1] + 1] * (u - n)]  # padding: the slot no real token sees
-        two_stream = dict(rubric_tokens=rubric_tokens, rubric_positions=rubric_positions, rubric_branch=rubric_branch)
+        two_stream = {"rubric_tokens": rubric_tokens, "rubric_positions": rubric_positions, "rubric_branch": rubric_branch}
     return Batch(
         **two_stream,
         tokens=tokens,
@@ -222,10 +229,11 @@ def build_batch(
         with_index=with_index,
         without_index=without_index,
         response_mask=mask,
-        old_logp=old_logp,
+        old_logp=logps["old_logprobs"],
         advantage=advantage,
         has_rubric=has_rubric,
-        ref_logp=ref_logp if all(with_ref) else None,
+        ref_logp=logps["ref_logprobs"] if samples[0].ref_logprobs is not None else None,
+        sampler_logp=logps["sampler_logprobs"] if samples[0].sampler_logprobs is not None else None,
     )
 
 

@@ -13,6 +13,7 @@ import typing
 from typing import Any
 
 from orsd_jax.advantages import AdvantageConfig, verl_agent_normalize_std
+from orsd_jax.batch import LAYOUTS
 from orsd_jax.loss import LossConfig
 from orsd_jax.models import EMBEDDED
 from orsd_jax.rollout import RolloutConfig
@@ -80,6 +81,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     minibatch_rows: int = 16  # step samples per optimizer step; an update takes as many as it needs
+    replay: str = "two-stream"  # the replay's batch layout (orsd_jax.batch.LAYOUTS), chosen in docs/benchmarks.md
     ppo_epochs: int = 1  # passes over an update's step samples (verl-agent: 1)
     micro_batches: int = 1
     devices: int | None = None  # mesh size (None: every device)
@@ -108,6 +110,8 @@ class TrainConfig:
         unknown = set(self.env.eval_splits) - set(EVAL_SPLITS[self.env.name])
         if unknown:
             raise ValueError(f"unknown {self.env.name} splits {sorted(unknown)}; expected some of {EVAL_SPLITS[self.env.name]}")
+        if self.replay not in LAYOUTS:
+            raise ValueError(f"unknown replay layout {self.replay!r}; expected one of {LAYOUTS}")
         if self.ppo_epochs < 1:
             raise ValueError(f"ppo_epochs must be at least 1, got {self.ppo_epochs}")
         if self.group_size < 2:

@@ -55,14 +55,36 @@ def attention_pairs(seq_len: int) -> int:
     return sum((end - start) * end for start, end in query_blocks(seq_len))
 
 
-def forward_flops(c: ModelConfig, rows: int, seq_len: int, head_positions: int) -> float:
+def forward_flops(c: ModelConfig, rows: int, seq_len: int, head_positions: int, keys: int | None = None) -> float:
     """Matmul FLOPs of one forward: layers over ``rows x seq_len`` tokens, the LM head on
-    ``head_positions`` per row (a packed ORSD row: ``2 Y``, with and without the rubric)."""
+    ``head_positions`` per row (a packed ORSD row: ``2 Y``, with and without the rubric).
+    ``keys``: every query scores that many keys (a cache read densely) instead of causal blocks."""
     matmul_weights = layer_params(c) - 2 * c.hidden_size - (2 * c.head_dim if c.qk_norm else 0)
     layers = 2 * matmul_weights * rows * seq_len * c.num_layers
-    attention = 4 * rows * attention_pairs(seq_len) * c.num_heads * c.head_dim * c.num_layers
+    pairs = attention_pairs(seq_len) if keys is None else seq_len * keys
+    attention = 4 * rows * pairs * c.num_heads * c.head_dim * c.num_layers
     head = 2 * c.vocab_size * c.hidden_size * rows * head_positions
     return float(layers + attention + head)
+
+
+def train_flops(c: ModelConfig, rows: int, seq_len: int, head_positions: int) -> float:
+    """A forward with its backward (2x) and, under remat, its recomputation (1x); the frozen bottom
+    layers (``c.frozen_layers``) run forward only."""
+    frozen = dataclasses.replace(c, num_layers=c.frozen_layers, frozen_layers=0)
+    trained = dataclasses.replace(c, num_layers=c.num_layers - c.frozen_layers, frozen_layers=0)
+    return forward_flops(frozen, rows, seq_len, 0) + (4 if c.remat else 3) * forward_flops(trained, rows, seq_len, head_positions)
+
+
+def step_flops(c: ModelConfig, batch) -> float:
+    """The dense work of one train step on ``batch`` (an ``orsd_jax.batch.Batch`` in either layout,
+    its shapes only): packed rows with both LM heads, or the two-stream replay's gradient stream
+    and its forward-only with-rubric stream, which scores its whole cache (``T + U`` slots)."""
+    b, t = batch.tokens.shape
+    y = batch.response.shape[1]
+    if batch.rubric_tokens is None:
+        return train_flops(c, b, t, 2 * y)
+    u = batch.rubric_tokens.shape[1]
+    return train_flops(c, b, t, y) + forward_flops(c, b, u, y, keys=t + u)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +155,7 @@ def estimate(
     kept = tokens * d * a_bytes * c.num_layers + one_layer if c.remat else one_layer * c.num_layers
     mask = rows_per_step * seq_len**2  # bool [B, T, T]
     logits = 3 * rows_per_step * min(chunk_size, 2 * response_len) * c.vocab_size * 4
-    flops = forward_flops(c, rows, seq_len, 2 * response_len) * ((4 if c.remat else 3) + reference)
+    flops = train_flops(c, rows, seq_len, 2 * response_len) + reference * forward_flops(c, rows, seq_len, response_len)
     return Estimate(
         params=n,
         param_bytes=n * p_bytes / shard,

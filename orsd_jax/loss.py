@@ -10,7 +10,10 @@ Per response token ``j`` of step sample ``i`` (``l+``/``l-``: log-probs with/wit
     Ahat   = A_i + coef * clip(sg(l+ - l-), -clip, clip)       (no correction for samples without a rubric)
     r      = exp(l- - l_old)
     pg     = max(-Ahat r, -Ahat clip(r, 1 - clip_low, 1 + clip_high)), and min(pg, -Ahat dual_clip) if Ahat < 0
-    loss   = pg + kl_coef * k3(l_ref, l-) - entropy_coef * H
+    loss   = w pg + kl_coef * k3(l_ref, l-) - entropy_coef * H
+
+with ``w = min(exp(l_old - l_sampler), tis_cap)`` under truncated importance sampling (``l_old``
+then the trainer's log-probs at the rollout's parameters), else 1.
 
 ``l+`` comes from the same forward as ``l-`` (the packed layout of ``orsd_jax.batch``) or from
 the two-stream replay that reuses its prefix's keys and values, and is under stop-gradient. ``l_ref`` is a frozen reference policy's (the initial policy, verl-agent's
@@ -48,6 +51,10 @@ class LossConfig:
     dual_clip: float | None = 3.0  # bounds the loss of negative-advantage tokens; None: off
     kl_coef: float = 0.0  # k3 KL to the reference policy (verl-agent: 0.01; the paper presets use it)
     entropy_coef: float = 0.001
+    # Truncated importance sampling: with the trainer's own log-probs at the rollout's parameters as
+    # ``old_logp``, each token's policy-gradient term is weighted by min(p_trainer / p_sampler, cap),
+    # correcting for the sampler's different kernels (verl's ``tis_imp_ratio_cap``; None: off).
+    tis_cap: float | None = None
     temperature: float = 1.0  # the sampler's: logits are divided by it
     chunk_size: int = 64  # response positions per LM-head chunk
 
@@ -128,7 +135,15 @@ def policy_loss(
     per_token = jnp.maximum(unclipped, clipped)
     if config.dual_clip is not None:
         per_token = jnp.where(adv < 0, jnp.minimum(per_token, -adv * config.dual_clip), per_token)
-    sums = {
+    sums = {}
+    if config.tis_cap is not None:
+        if batch.sampler_logp is None:
+            raise ValueError("tis_cap needs the sampler's log-probs beside the trainer's (StepSample.sampler_logprobs)")
+        weight = jnp.exp(jnp.clip(batch.old_logp - batch.sampler_logp, -20.0, 20.0))
+        sums |= {"tis_weight": jnp.sum(jnp.minimum(weight, config.tis_cap) * mask),
+                 "tis_capped": jnp.sum((weight > config.tis_cap) * mask)}  # fmt: skip
+        per_token = per_token * jnp.minimum(weight, config.tis_cap)
+    sums |= {
         "clipped": jnp.sum((clipped > unclipped) * mask),
         "approx_kl": jnp.sum(jax.lax.stop_gradient(_k3(log_ratio)) * mask),
         "entropy": jnp.sum(jax.lax.stop_gradient(entropy) * mask),
@@ -191,8 +206,9 @@ class OrsdLoss:
         """Means from summed metrics (over every micro-batch and device)."""
         n = jnp.maximum(token_count, 1)
         out = {"clip_frac": sums["clipped"] / n, "approx_kl": sums["approx_kl"] / n, "entropy": sums["entropy"] / n}
-        if "ref_kl" in sums:
-            out["ref_kl"] = sums["ref_kl"] / n
+        for name in ("ref_kl", "tis_weight", "tis_capped"):
+            if name in sums:
+                out[name] = sums[name] / n
         nr = jnp.maximum(sums["rubric_tokens"], 1)
         gap_mean, adv_mean = sums["gap"] / nr, sums["adv"] / nr
         gap_var = jnp.maximum(sums["gap_sq"] / nr - gap_mean**2, 0.0)

@@ -29,12 +29,12 @@ from flax import nnx
 
 from orsd_jax import chat, evaluation
 from orsd_jax.advantages import AdvantageConfig, rank_targets, returns, step_advantages
-from orsd_jax.batch import PAD, StepSample, build_batch
+from orsd_jax.batch import StepSample, build_batch
 from orsd_jax.checkpoints import Checkpoints
 from orsd_jax.config import TrainConfig, to_json
 from orsd_jax.envs.base import Task, TextEnv
 from orsd_jax.envs.pool import EnvPool
-from orsd_jax.loss import OrsdLoss
+from orsd_jax.loss import OrsdLoss, response_logprobs
 from orsd_jax.metrics_log import MetricsLog, progress
 from orsd_jax.models import CausalLM, ModelConfig, load_model, resolve, save_hf
 from orsd_jax.rollout import Group, PromptBuilder, collect_groups
@@ -248,6 +248,9 @@ class Run:
         copy = lambda x, sharding: jax.device_put(jax.numpy.copy(x), sharding)  # noqa: E731
         self.reference = jax.tree.map(copy, self.state.params, self.sharding.params) if with_reference else None
         self.train_step = make_train_step(OrsdLoss(config.loss), optimizer, self.graphdef, self.sharding, with_reference)
+        graphdef, temperature = self.graphdef, config.loss.temperature
+        self.old_logprobs = jax.jit(lambda params, batch: response_logprobs(
+            nnx.merge(graphdef, params), batch, temperature=temperature, with_rubric=False)[1])  # fmt: skip
         self.checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
         # What the non-policy rubric sources read: the oracle, or the user's file (checked now).
         r = config.rubric
@@ -314,12 +317,17 @@ def train_minibatches(
     weighted = {"loss": 0.0, "grad_norm": 0.0}  # per-step values, token-weighted
     counts, recorded = {"tokens": 0.0, "row_tokens": 0, "row_slots": 0}, []
     passes = [(epoch, start) for epoch in range(len(orders)) for start in range(0, len(samples), config.minibatch_rows)]
+    mismatch = {}
     for epoch, start in progress(passes, "train"):
         rows = orders[epoch][start : start + config.minibatch_rows].tolist()
-        batch = build_batch([samples[r] for r in rows], seq_multiple=128, response_multiple=32, batch_multiple=config.minibatch_rows)
-        counts["row_tokens"] += int(np.sum(batch.branch != PAD))
-        counts["row_slots"] += batch.branch.size
+        batch = minibatch([samples[r] for r in rows], config)
+        tokens, slots = batch.token_counts()
+        counts["row_tokens"] += tokens
+        counts["row_slots"] += slots
         state, step_metrics, values = train_step(state, batch, config.micro_batches, reference)
+        if not mismatch:  # the first step's log-probs are at the rollout's parameters
+            sampler = batch.old_logp if batch.sampler_logp is None else batch.sampler_logp
+            mismatch = logprob_mismatch(np.asarray(values["logp_without"]), sampler, batch.response_mask)
         if record and epoch == 0:
             recorded.append((rows, {k: np.asarray(v) for k, v in values.items()}, batch.response_mask))
         step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
@@ -330,8 +338,36 @@ def train_minibatches(
             weighted[k] += step_metrics[k] * step_metrics["tokens"]
         counts["tokens"] += step_metrics["tokens"]
     tokens = counts["tokens"]
-    metrics = {k: float(v) for k, v in OrsdLoss.metrics(totals, tokens).items()}
+    metrics = {k: float(v) for k, v in OrsdLoss.metrics(totals, tokens).items()} | mismatch
     return state, metrics | {k: v / max(tokens, 1.0) for k, v in weighted.items()}, counts, recorded
+
+
+def minibatch(samples: Sequence[StepSample], config: TrainConfig):
+    """The step samples of one optimizer step as a batch in the run's replay layout."""
+    return build_batch(samples, seq_multiple=128, response_multiple=32, batch_multiple=config.minibatch_rows, layout=config.replay)
+
+
+def logprob_mismatch(trainer: np.ndarray, sampler: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """How far the trainer's log-probs ``[B, Y]`` of the response tokens are from the sampler's at
+    the same parameters: the mean and max absolute difference, and the mean ratio p_trainer /
+    p_sampler (1 when they agree; the PPO ratio's value before any update)."""
+    real = mask > 0
+    diff = (trainer - sampler)[real]
+    return {"logprob_mismatch_mean": float(np.mean(np.abs(diff))), "logprob_mismatch_max": float(np.max(np.abs(diff))),
+            "sampler_ratio_mean": float(np.mean(np.exp(diff)))}  # fmt: skip
+
+
+def with_trainer_logprobs(forward, params, samples: Sequence[StepSample], config: TrainConfig) -> list[StepSample]:
+    """Truncated importance sampling's two sides: the samples with the trainer's own log-probs at
+    ``params`` (the rollout's) as ``old_logprobs`` and the sampler's as ``sampler_logprobs``.
+    ``forward(params, batch) -> [B, Y]``: the without-rubric log-probs (one forward, no gradient)."""
+    out = []
+    for start in range(0, len(samples), config.minibatch_rows):
+        chunk = samples[start : start + config.minibatch_rows]
+        logp = np.asarray(forward(params, minibatch([dataclasses.replace(s, insert=()) for s in chunk], config)))
+        out += [dataclasses.replace(s, old_logprobs=logp[i, : len(s.response)].tolist(), sampler_logprobs=s.old_logprobs)
+                for i, s in enumerate(chunk)]  # fmt: skip
+    return out
 
 
 def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
@@ -382,6 +418,8 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
     rng = np.random.default_rng([c.seed, update, 1])
     orders = [rng.permutation(len(samples)) for _ in range(c.ppo_epochs)]
     t0 = time.perf_counter()
+    if c.loss.tis_cap is not None:
+        samples = with_trainer_logprobs(run.old_logprobs, run.state.params, samples, c)
     record = c.credit_every and (update + 1) % c.credit_every == 0 or update + 1 == c.updates
     run.state, loss_metrics, counts, recorded = train_minibatches(run.train_step, run.state, samples, orders, c, record, run.reference)
     without_rubric = ("gap", "rubric_token_frac")  # meaningless without a rubric stage

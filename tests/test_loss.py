@@ -117,6 +117,23 @@ def test_ppo_clip_dual_clip_entropy_and_kl_by_hand():
     np.testing.assert_allclose(float(sums["entropy"]), 15, rtol=1e-6)
 
 
+def test_truncated_importance_sampling_by_hand():
+    # The trainer's old log-probs 0; the sampler's log(2), log(0.25), 0: weights 0.5, 4 -> capped at
+    # 2, and 1. Ratios exp(logp) = 1, 1.1, 0.9 with A = +1: terms -1, -1.1, -0.9.
+    logp = _pad([np.log([1.0, 1.1, 0.9])])
+    samples = [StepSample(prefix=[1], tail=[2], response=[5, 5, 5], old_logprobs=[0.0] * 3, advantage=1.0,
+                          sampler_logprobs=np.log([2.0, 0.25, 1.0]).tolist())]  # fmt: skip
+    batch = build_batch(samples, response_multiple=4)
+    config = LossConfig(coef=0.0, entropy_coef=0.0, tis_cap=2.0)
+    loss_sum, _, sums, _ = policy_loss(logp, jnp.zeros_like(logp), None, batch, config)
+    np.testing.assert_allclose(float(loss_sum), 0.5 * -1 + 2 * -1.1 + 1 * -0.9, rtol=1e-6)
+    np.testing.assert_allclose([float(sums["tis_weight"]), float(sums["tis_capped"])], [3.5, 1], rtol=1e-6)
+    off, _, _, _ = policy_loss(logp, jnp.zeros_like(logp), None, batch, dataclasses.replace(config, tis_cap=None))
+    np.testing.assert_allclose(float(off), -3.0, rtol=1e-6)
+    with pytest.raises(ValueError, match="sampler's log-probs"):
+        policy_loss(logp, jnp.zeros_like(logp), None, _toy_batch([3], [1.0], [False], [[0.0] * 3]), config)
+
+
 def test_correction_and_gap_metrics_by_hand():
     # Ratios 1 everywhere, so each token's loss is -Ahat. Sample 0 (A = +1) and sample 2 (A = -1)
     # have a rubric; sample 1 (A = 0.5) has none, so its (different) with-rubric log-probs are ignored.

@@ -55,6 +55,9 @@ def test_orsd_logs_the_rubric_stage_and_gap(reference):
     # The KL to the initial policy: zero while the policy is the reference (update 1's one step),
     # positive once the policy has moved.
     assert records[0]["loss/ref_kl"] == 0.0 and all(r["loss/ref_kl"] > 0 for r in records[1:4])
+    # The JAX sampler and the trainer run the same f32 model: their log-probs differ by rounding only.
+    assert all(r["loss/logprob_mismatch_max"] < 1e-3 and r["loss/sampler_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+               for r in records[:4])  # fmt: skip
     assert (reference / "policy" / "config.json").is_file() and (reference / "eval").is_dir()
     step = json.loads((reference / "steps" / "00004" / "step.json").read_text())
     assert len(step["groups"]) == 2 and len(step["rubrics"]) == 2
@@ -81,10 +84,19 @@ def test_evaluation_tables_agree_with_the_step_transcript(reference, split):
     assert _metrics(reference)[-1][f"eval/{split}/valid_step_rate"] == pytest.approx(rate)
 
 
-@pytest.mark.parametrize("method", ["grpo", "gigpo", "orsd-single", "orsd-random"])
-def test_each_method_runs_two_updates(method, tmp_path):
-    train(dataclasses.replace(preset("tiny"), method=method), tmp_path)
+TIS = dataclasses.replace(preset("tiny").loss, tis_cap=2.0)
+
+
+# Two of them also run the switches of the replay: truncated importance sampling, the packed layout.
+@pytest.mark.parametrize("method, options", [("grpo", {"loss": TIS}), ("gigpo", {}), ("orsd-single", {"replay": "packed"}),
+                                             ("orsd-random", {})])  # fmt: skip
+def test_each_method_runs_two_updates(method, options, tmp_path):
+    train(dataclasses.replace(preset("tiny"), method=method, **options), tmp_path)
     records = _metrics(tmp_path)
+    if "loss" in options:  # the trainer's old log-probs are the JAX sampler's to within rounding
+        assert records[0]["loss/tis_weight"] == pytest.approx(1.0, abs=1e-3) and records[0]["loss/tis_capped"] == 0
+    else:
+        assert "loss/tis_weight" not in records[0]
     assert [r["update"] for r in records[:2]] == [1, 2]
     keys = set(records[0])
     rubric_keys = {k for k in keys if k.startswith(("rubric/", "verifier/", "loss/gap"))}
