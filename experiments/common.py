@@ -86,9 +86,8 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
     from orsd_jax.models import ModelConfig, resolve
 
     c = config.resolved()
-    known = {"Qwen/Qwen3-1.7B": estimate.QWEN3_1_7B, "Qwen/Qwen3-4B": estimate.QWEN3_4B}
-    if c.model.name in known:
-        model = known[c.model.name]
+    if c.model.name in estimate.PAPER_MODELS:
+        model = estimate.PAPER_MODELS[c.model.name]
     else:
         model = ModelConfig.from_hf_config(json.loads((resolve(c.model.name) / "config.json").read_text()))
     model = dataclasses.replace(model, param_dtype=c.model.dtype, compute_dtype=c.model.compute_dtype or c.model.dtype,

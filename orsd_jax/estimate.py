@@ -36,6 +36,7 @@ QWEN3_1_7B = ModelConfig("qwen3", vocab_size=151936, hidden_size=2048, intermedi
                          num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True)  # fmt: skip
 QWEN3_4B = ModelConfig("qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36,
                        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True)  # fmt: skip
+PAPER_MODELS = {"Qwen/Qwen3-1.7B": QWEN3_1_7B, "Qwen/Qwen3-4B": QWEN3_4B}  # planned without their weights
 
 
 def layer_params(c: ModelConfig) -> int:

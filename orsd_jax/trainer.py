@@ -120,6 +120,7 @@ def rollout_metrics(groups: Sequence[Group], stats) -> dict[str, float]:
         "env/mixed_groups": float(np.mean([len(set(g.rewards)) > 1 for g in groups])),
         "rollout/env_steps": float(stats.env_steps),
         "rollout/truncated_prompts": float(stats.truncated_prompts),
+        "rollout/generated_tokens": float(stats.generated_tokens),  # the interaction budget (study reports)
         "rollout/generated_tokens_per_s": stats.generated_tokens / max(stats.sampler_seconds, 1e-9),
         "rollout/env_steps_per_s": stats.env_steps / max(stats.wall_seconds, 1e-9),
         "time/rollout": stats.wall_seconds,
@@ -380,6 +381,8 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
         tokenizer=run.tokenizer, fmt=run.fmt, build_prompt=run.suite.build_prompt,
     )  # fmt: skip
     metrics = rollout_metrics(groups, stats)
+    # The reward less the invalid-answer penalties: what GRPO's advantages normalise.
+    metrics["env/return"] = float(np.mean(np.concatenate([returns(g, c.advantage) for g in groups])))
     rubrics = None
     if c.uses_rubrics:
         t0 = time.perf_counter()

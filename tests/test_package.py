@@ -19,6 +19,7 @@ SCRIPTS = {
     "orsd-eval": "experiments.evaluate:main",
     "orsd-warmstart": "experiments.warmstart:main",
     "orsd-credit-report": "experiments.credit_report:main",
+    "orsd-study": "experiments.study:main",
 }
 PACKAGES = ("orsd_jax", "experiments")
 

@@ -1,0 +1,374 @@
+"""A multi-seed study: the grid of runs, their state on disk, and what the study reports from their
+``metrics.jsonl`` (learning curves with bootstrap bands, the final evaluation, the interaction budget).
+
+Nothing here trains; ``experiments.study`` runs the grid. The statistics are over seeds: a run's
+value at an update is one observation, a method's interval is the percentile bootstrap of the mean
+of its seeds' values (with a fixed RNG, so a regenerated report has the same numbers).
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import dataclasses
+import json
+import pathlib
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from orsd_jax.config import METHODS, TrainConfig
+
+RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0
+LEVEL = 0.95
+BASELINE = "grpo"  # paired differences are to this method, seed by seed
+# Where the paper's GPU hours come from: its 4 x A100 (dense bfloat16 peak) at an assumed fraction of
+# the peak over rollouts, training and evaluation together (decoding is memory-bound, so the fraction is low).
+A100_BF16_FLOPS = 312e12
+UTILIZATION = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    method: str
+    seed: int
+    directory: pathlib.Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-seed{self.seed}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyPlan:
+    env: str
+    preset: str
+    methods: tuple[str, ...]
+    seeds: tuple[int, ...]
+    updates: int
+    out: pathlib.Path
+    overrides: tuple[str, ...] = ()  # training flags passed to every run (``--lr 1e-5``, ...)
+
+    def __post_init__(self):
+        if not self.methods or not self.seeds:
+            raise ValueError("a study needs at least one method and one seed")
+
+    def runs(self) -> tuple[RunSpec, ...]:
+        return tuple(RunSpec(m, s, self.out / "runs" / f"{m}-seed{s}") for m in self.methods for s in self.seeds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One tidy observation: a run's value of a metric at an update."""
+
+    method: str
+    seed: int
+    update: int
+    metric: str
+    value: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """The mean over ``n`` seeds and its percentile-bootstrap interval."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CurvePoint:
+    method: str
+    metric: str
+    update: int
+    interval: Interval
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """A run's interaction, summed over its training updates (evaluation not included)."""
+
+    updates: int
+    episodes: int
+    env_steps: float  # rollout/env_steps
+    generated_tokens: float  # rollout/generated_tokens: the policy's tokens in the environment
+    verifier_calls: float  # verifier/calls (requests, retries included)
+    update_seconds: float  # time/update: rollouts, rubric stage, training and weight push
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+    title: str
+    metric: str
+    complement: bool = False  # plot 1 - value: the log has the invalid-answer rate, the panel shows valid answers
+
+
+PANELS = (
+    Panel("training success", "env/success"),
+    Panel("return (reward less invalid-answer penalties)", "env/return"),
+    Panel("valid answers", "env/invalid_rate", complement=True),
+    Panel("groups with a rubric", "rubric/groups_with_rubric"),
+)
+
+
+# Runs on disk.
+
+
+def read_records(directory: pathlib.Path) -> tuple[dict, ...]:
+    """The run's ``metrics.jsonl``, one dict per line (empty when the run has logged nothing)."""
+    path = directory / "metrics.jsonl"
+    return tuple(json.loads(line) for line in path.read_text().splitlines()) if path.is_file() else ()
+
+
+def final_record(records: Sequence[dict]) -> dict | None:
+    """The final evaluation, which the trainer logs (``"final": true``) once every update is done."""
+    return next((r for r in records if r.get("final")), None)
+
+
+def has_checkpoint(directory: pathlib.Path) -> bool:
+    """Orbax renames a checkpoint into ``checkpoints/<update>`` only when it is complete."""
+    checkpoints = directory / "checkpoints"
+    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+
+
+def run_state(directory: pathlib.Path) -> str:
+    """``finished`` (a final record), ``resume`` (config.json and a complete checkpoint) or ``new``
+    (nothing there, or partial files without a checkpoint: the run starts over)."""
+    if final_record(read_records(directory)) is not None:
+        return "finished"
+    if (directory / "config.json").is_file() and has_checkpoint(directory):
+        return "resume"
+    return "new"
+
+
+def config_differences(saved: Mapping, planned: Mapping, prefix: str = "") -> tuple[str, ...]:
+    """Dotted names of the fields in which two config.json dicts differ."""
+    out = []
+    for key in sorted(set(saved) | set(planned)):
+        a, b = saved.get(key), planned.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(prefix + key)
+    return tuple(out)
+
+
+def discover(out: pathlib.Path) -> StudyPlan:
+    """The plan of the runs already in ``out/runs`` (their config.json), for regenerating the report."""
+    configs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/config.json"))]
+    if not configs:
+        raise FileNotFoundError(f"no runs in {out / 'runs'}")
+    protocols = {(c["env"]["name"], c["preset"], c["updates"]) for c in configs}
+    if len(protocols) > 1:
+        raise ValueError(f"the runs in {out / 'runs'} differ in (env, preset, updates): {sorted(protocols)}")
+    [(env, preset, updates)] = protocols
+    methods = tuple(m for m in METHODS if m in {c["method"] for c in configs})
+    return StudyPlan(env, preset, methods, tuple(sorted({c["seed"] for c in configs})), updates, out)
+
+
+# Statistics.
+
+
+def bootstrap_interval(values: Sequence[float], resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED) -> Interval:
+    """The mean of ``values`` (one per seed) and the percentile bootstrap ``LEVEL`` interval of it.
+
+    With one value the interval is the point; with two or three, the endpoints are the smallest and
+    largest values (each resample of all-smallest has probability >= 1/27 > 2.5%)."""
+    x = np.asarray(values, dtype=np.float64)  # [n]
+    if not x.size:
+        raise ValueError("no values to aggregate")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1)  # [resamples]
+    tail = 100 * (1 - LEVEL) / 2
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return Interval(float(x.mean()), float(low), float(high), int(x.size))
+
+
+def tidy(run: RunSpec, records: Iterable[dict]) -> tuple[Row, ...]:
+    """Every numeric metric of every record (null, the log's NaN, is left out)."""
+    return tuple(
+        Row(run.method, run.seed, r["update"], k, float(v))
+        for r in records
+        for k, v in r.items()
+        if k not in ("update", "final") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    )
+
+
+def curves(rows: Iterable[Row], metrics: Iterable[str]) -> tuple[CurvePoint, ...]:
+    """Per method, metric and update: the mean over the seeds that logged it, with its interval."""
+    wanted = set(metrics)
+    values: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
+    for r in rows:
+        if r.metric in wanted:
+            values[r.method, r.metric, r.update].append(r.value)
+    return tuple(CurvePoint(m, k, u, bootstrap_interval(v)) for (m, k, u), v in sorted(values.items()))
+
+
+def by_method(values: Mapping[RunSpec, float]) -> dict[str, Interval]:
+    """A per-run value (e.g. a final evaluation metric) aggregated over each method's seeds."""
+    grouped: dict[str, list[float]] = collections.defaultdict(list)
+    for run, v in values.items():
+        grouped[run.method].append(v)
+    return {m: bootstrap_interval(v) for m, v in grouped.items()}
+
+
+def paired_differences(values: Mapping[RunSpec, float], baseline: str = BASELINE) -> dict[str, Interval]:
+    """Per method, ``value - baseline's value`` of the same seed, over the seeds both have."""
+    base = {run.seed: v for run, v in values.items() if run.method == baseline}
+    grouped: dict[str, list[float]] = collections.defaultdict(list)
+    for run, v in values.items():
+        if run.method != baseline and run.seed in base:
+            grouped[run.method].append(v - base[run.seed])
+    return {m: bootstrap_interval(d) for m, d in grouped.items()}
+
+
+def budget(records: Sequence[dict], episodes_per_update: int) -> Budget:
+    train = [r for r in records if not r.get("final")]
+    keys = ("rollout/env_steps", "rollout/generated_tokens", "verifier/calls", "time/update")
+    sums = (float(sum(r.get(k) or 0.0 for r in train)) for k in keys)
+    return Budget(len(train), len(train) * episodes_per_update, *sums)
+
+
+def run_flops(params: int, config: TrainConfig) -> float:
+    """An upper bound on a run's dense work for a model of ``params`` parameters: every episode runs
+    ``max_steps`` steps at the full prompt and response lengths; 2 FLOPs per parameter and token for a
+    forward, 4 for a backward, 2 more each for remat, the KL's reference and ORSD's with-rubric pass;
+    rubric writing (policy source) and evaluation sweeps as forwards. A remote verifier is not counted."""
+    c = config.resolved()
+    r = c.rollout
+    step_tokens = r.max_prompt_tokens + r.max_response_tokens
+    samples = c.n_tasks * c.group_size * r.max_steps  # step samples per update
+    train = c.ppo_epochs * (6 + 2 * c.model.remat + 2 * bool(c.loss.kl_coef) + 2 * c.uses_rubrics)
+    writes = c.uses_rubrics and c.rubric.source == "policy"
+    writing = writes * c.n_tasks * c.rubric.candidates * (c.rubric.max_prompt_tokens + c.rubric.max_new_tokens)
+    per_update = samples * step_tokens * (2 + train) + 2 * writing
+    evaluations = (c.updates - 1) // c.eval_every + 1 if c.eval_every else 1
+    evaluation = evaluations * len(c.eval_splits) * c.eval_games * r.max_steps * step_tokens * 2
+    return float(params) * (c.updates * per_update + evaluation)
+
+
+def gpu_hours(flops: float, peak: float = A100_BF16_FLOPS, utilization: float = UTILIZATION) -> float:
+    return flops / (peak * utilization) / 3600
+
+
+# The report.
+
+
+def write_curves_csv(rows: Iterable[Row], path: pathlib.Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([field.name for field in dataclasses.fields(Row)])
+        writer.writerows(dataclasses.astuple(r) for r in rows)
+
+
+def panel_rows(rows: Iterable[Row], panel: Panel) -> list[Row]:
+    """The rows a panel plots, as it plots them."""
+    mine = [r for r in rows if r.metric == panel.metric]
+    return [dataclasses.replace(r, value=1 - r.value) for r in mine] if panel.complement else mine
+
+
+def plot_curves(rows: Sequence[Row], methods: Sequence[str], path: pathlib.Path, title: str) -> None:
+    """One panel per ``PANELS`` entry: each method's mean over seeds, its bootstrap band shaded."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend, nothing shown
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(4.2 * len(PANELS), 3.6), layout="constrained")
+    for ax, panel in zip(fig.subplots(1, len(PANELS)), PANELS):
+        points = curves(panel_rows(rows, panel), [panel.metric])
+        for i, method in enumerate(methods):
+            mine = [p for p in points if p.method == method]
+            if mine:  # a method may not log the metric (groups with a rubric: ORSD only)
+                x = [p.update for p in mine]
+                ax.plot(x, [p.interval.mean for p in mine], color=f"C{i}", label=method, marker=".")
+                low, high = [p.interval.low for p in mine], [p.interval.high for p in mine]
+                ax.fill_between(x, low, high, color=f"C{i}", alpha=0.2)
+        ax.set(title=panel.title, xlabel="update")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.axes[0].legend()
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+
+
+def _cell(i: Interval | None) -> str:
+    return "-" if i is None else f"{100 * i.mean:.1f} [{100 * i.low:.1f}, {100 * i.high:.1f}]"
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(cells) + " |" for cells in [header, ["---"] + ["---:"] * (len(header) - 1), *rows]]
+
+
+def eval_splits(finals: Iterable[dict]) -> list[str]:
+    """The evaluation splits of the final records (``eval/<split>/...``), in first-seen order."""
+    return list(dict.fromkeys(k.split("/")[1] for f in finals for k in f if k.startswith("eval/")))
+
+
+def method_table(finals: Mapping[RunSpec, dict], methods: Sequence[str], columns: Mapping[str, str],
+                 paired: bool = False) -> list[str]:  # fmt: skip
+    """Rows: methods; columns: title -> final metric, each cell the mean [interval] over seeds in percent
+    (``paired``: of the difference to the baseline's run of the same seed)."""
+    stats = []
+    for key in columns.values():
+        values = {run: f[key] for run, f in finals.items() if f.get(key) is not None}
+        stats.append(paired_differences(values) if paired else by_method(values))
+    rows = [[m, str(max((s[m].n for s in stats if m in s), default=0)), *(_cell(s.get(m)) for s in stats)]
+            for m in methods if not (paired and m == BASELINE)]  # fmt: skip
+    return _table(["method", "pairs" if paired else "seeds", *columns], rows)
+
+
+def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], episodes: Mapping[RunSpec, int]) -> str:
+    """``final.md``: final evaluation per split and task type, paired differences to the baseline, and
+    each run's interaction budget and time (``episodes``: a run's episodes per update)."""
+    finals = {run: f for run, rs in records.items() if (f := final_record(rs)) is not None}
+    splits, seeds = eval_splits(finals.values()), ", ".join(map(str, plan.seeds))
+    lines = [
+        f"# {plan.env}, preset {plan.preset}, {plan.updates} updates: {', '.join(plan.methods)} x seeds {seeds}",
+        "",
+        f"Mean over seeds [{LEVEL:.0%} percentile bootstrap interval over seeds, {RESAMPLES} resamples], in percent.",
+    ]
+    unfinished = [run.name for run in plan.runs() if run not in finals]
+    if unfinished:
+        lines += ["", f"Runs without a final evaluation (left out): {', '.join(unfinished)}."]
+    success = {s: f"eval/{s}/success/All" for s in splits}
+    valid = {s: f"eval/{s}/valid_step_rate" for s in splits}
+    lines += ["", "## Evaluation success (%)", "", *method_table(finals, plan.methods, success)]
+    lines += ["", "## Valid answers in evaluation (%)", "", *method_table(finals, plan.methods, valid)]
+    for s in splits:
+        prefix = f"eval/{s}/success/"
+        logged = [k for f in finals.values() for k, v in f.items() if k.startswith(prefix) and v is not None]
+        types = {k.removeprefix(prefix): k for k in dict.fromkeys(logged)}
+        if len(types) > 1:  # task types besides "All"
+            lines += ["", f"## {s}: success per task type (%)", "", *method_table(finals, plan.methods, types)]
+    if BASELINE in plan.methods and len(plan.methods) > 1:
+        title = f"## Paired difference to {BASELINE} (percentage points, same seed)"
+        lines += ["", title, "", *method_table(finals, plan.methods, success, paired=True)]
+    rows = []
+    for run, rs in records.items():
+        b = budget(rs, episodes[run])
+        rows.append([run.name, str(b.updates), str(b.episodes), f"{b.env_steps:.0f}", f"{b.generated_tokens:.0f}",
+                     f"{b.verifier_calls:.0f}", f"{b.update_seconds / 60:.1f}"])  # fmt: skip
+    header = ["run", "updates", "episodes", "env steps", "generated tokens", "verifier calls",
+              "update time (min)"]  # fmt: skip
+    note = ("Summed over training updates from metrics.jsonl (rollout/env_steps, rollout/generated_tokens, verifier/calls, "
+            "time/update); evaluation and start-up are not included.")
+    lines += ["", "## Interaction budget and time per run", "", note, "", *_table(header, rows)]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(plan: StudyPlan) -> tuple[pathlib.Path, ...]:
+    """``curves.csv``, ``curves.png`` and ``final.md`` in ``plan.out`` from the runs' records."""
+    records = {run: rs for run in plan.runs() if (rs := read_records(run.directory))}
+    if not records:
+        raise FileNotFoundError(f"no run of the study in {plan.out / 'runs'} has logged metrics")
+    configs = {run: json.loads((run.directory / "config.json").read_text()) for run in records}
+    rows = [row for run, rs in records.items() for row in tidy(run, rs)]
+    csv_path, png_path, md_path = plan.out / "curves.csv", plan.out / "curves.png", plan.out / "final.md"
+    write_curves_csv(rows, csv_path)
+    title = f"{plan.env}, preset {plan.preset}: mean over seeds, {LEVEL:.0%} bootstrap band"
+    plot_curves(rows, plan.methods, png_path, title)
+    episodes = {run: c["n_tasks"] * c["group_size"] for run, c in configs.items()}
+    md_path.write_text(final_markdown(plan, records, episodes))
+    return csv_path, png_path, md_path
