@@ -4,7 +4,8 @@ cache, the run's config).
 
 Orbax writes each checkpoint to a temporary directory and renames it when complete, so a run
 killed mid-save leaves no half checkpoint in the list. A checkpoint that is listed but cannot be
-read (a damaged file) is skipped on restore, with a warning, for the newest one before it.
+read (a damaged file) is skipped on restore, with a warning, for the newest one before it, and
+deleted, so that the redone update is saved again.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class Checkpoints:
                 log.warning("checkpoint %d in %s is unreadable (%s: %s); trying an older one",
                             update, self.directory, type(err).__name__, str(err).splitlines()[0][:200])
                 continue
+            # The damaged ones after it go: Orbax skips a save whose step is not newer than the
+            # latest it lists, so the redone updates would otherwise never be saved again.
+            for damaged in (s for s in steps if s > update):
+                self._manager.delete(damaged)
             return update, state, meta
         if steps:
             raise CheckpointRestoreError(f"no readable checkpoint in {self.directory} (tried {steps})")

@@ -36,8 +36,8 @@ class MetricsLog:
 
         self.path = pathlib.Path(out) / "metrics.jsonl"
         if truncate_after is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["update"] <= truncate_after and not json.loads(line).get("final")]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = [r for r in read_records(self.path) if r["update"] <= truncate_after and not r.get("final")]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(self.path, "a")
         self._tb = SummaryWriter(str(pathlib.Path(out) / "tb"))
 
@@ -53,6 +53,21 @@ class MetricsLog:
     def close(self) -> None:
         self._file.close()
         self._tb.close()
+
+
+def read_records(path: pathlib.Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``. A last line cut short (a process killed mid-write) is
+    dropped with a warning; a damaged line before it is an error (the log is not this run's)."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i + 1 < len(lines):
+                raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+            logging.getLogger(__name__).warning("%s: dropping its last line, cut short: %r", path, line[:80])
+    return records
 
 
 def progress(items: Iterable[T], stage: str, **kwargs) -> Iterable[T]:

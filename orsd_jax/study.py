@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from orsd_jax import metrics_log
 from orsd_jax.config import METHODS, TrainConfig
 
 RESAMPLES = 10_000
@@ -119,8 +120,7 @@ PANELS = (
 
 def read_records(directory: pathlib.Path) -> tuple[dict, ...]:
     """The run's ``metrics.jsonl``, one dict per line (empty when the run has logged nothing)."""
-    path = directory / "metrics.jsonl"
-    return tuple(json.loads(line) for line in path.read_text().splitlines()) if path.is_file() else ()
+    return tuple(metrics_log.read_records(directory / "metrics.jsonl"))
 
 
 def final_record(records: Sequence[dict]) -> dict | None:

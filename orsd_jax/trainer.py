@@ -483,7 +483,10 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
         raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     run = Run(config, out)
     c = run.config
-    saved.write_text(to_json(config))
+    if not resume:  # written once, atomically: a resumed run keeps the record it started with
+        partial = saved.with_suffix(".json.tmp")
+        partial.write_text(to_json(config))
+        os.replace(partial, saved)
     start = 0
     if resume:
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), run.state, run.sharding)

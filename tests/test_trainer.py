@@ -123,9 +123,14 @@ def test_exact_resume_after_sigkill(reference, tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    config_record = (out / "config.json").stat().st_mtime_ns
+    with open(out / "metrics.jsonl", "a") as f:  # as a kill in the middle of a write leaves it
+        f.write('{"update": 3, "env/succ')
     resumed = _start(out, "--resume")
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
+    assert "dropping its last line, cut short" in err
+    assert (out / "config.json").stat().st_mtime_ns == config_record  # not rewritten on resume
     got, want = _metrics(out), _metrics(reference)
     assert [r["update"] for r in got] == [1, 2, 3, 4, 4]
     for a, b in zip(got, want):
@@ -144,6 +149,9 @@ def test_damaged_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
         train(config, tmp_path, resume=True)
     assert any("checkpoint 2" in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
     assert [r["update"] for r in _metrics(tmp_path)] == [1, 2, 2]  # update 2 was redone from checkpoint 1
+    # ... and saved again in place of the damaged one (Orbax skips a save of a step it still lists).
+    files = [p for p in (tmp_path / "checkpoints" / "2").rglob("*") if p.is_file()]
+    assert files and all(p.read_bytes() != b"damaged" for p in files)
 
 
 def test_fresh_run_refuses_to_overwrite(reference):
