@@ -2,6 +2,7 @@
 
 Usage: python -m benchmarks.loss [--rows 4] [--prompt 600] [--rubric 150] [--response 60] [--reps 3]
                                  [--layers N] [--frozen-layers N] [--no-remat] [--query-blocks 4]
+                                 [--layouts two-stream packed "two forwards" pytorch]
 
 Ways to get the with- and without-rubric log-probs of a batch, each timed as a whole train step
 (loss, gradients, clipping, AdamW), interleaved in one run (medians of ``--reps``):
@@ -14,7 +15,9 @@ Ways to get the with- and without-rubric log-probs of a batch, each timed as a w
 - ``two forwards``: a with-rubric forward outside the gradient (``P + R + S + Y``) and a
   without-rubric forward with gradients (``P + S + Y``);
 - ``unshared``: both sequences as ``2 B`` rows of one batched forward, stop-gradient on half: the
-  backward still runs over both halves.
+  backward still runs over both halves;
+- PyTorch: the same step in transformers (``benchmarks.torch_step``: sdpa attention, two forwards,
+  the same loss and AdamW, the same weights), what a verl-agent user runs.
 
 Cost model, in token passes through the trained layers per row (forward 1, backward 2, remat 1
 more, so ``k = 3`` or ``4``): two-stream ``k (P + S + Y) + (R + S + Y)``, packed
@@ -46,7 +49,7 @@ from orsd_jax.batch import StepSample, build_batch
 from orsd_jax.estimate import forward_flops, step_flops, train_flops
 from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss, response_logprobs
 from orsd_jax.models import EMBEDDED, CausalLM, decoder, load_model
-from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
+from orsd_jax.train_step import OptimizerConfig, init_train_state, make_mesh, make_optimizer, make_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +79,8 @@ class UnsharedLoss(OrsdLoss):
         return policy_loss(logp[b:], entropy[b:], jax.lax.stop_gradient(logp[:b]), without, c)
 
 
-LAYOUTS = ("two-stream", "packed", "two forwards", "unshared [2B, T]")
+TORCH = "pytorch"  # transformers, two forwards
+LAYOUTS = ("two-stream", "packed", "two forwards", "unshared [2B, T]", TORCH)
 
 
 def layouts(samples: list[StepSample]):
@@ -153,6 +157,12 @@ def main() -> None:
         for _ in range(args.rows)
     ]
     optimizer = make_optimizer(frozen_layers=args.frozen_layers)
+    torch_step = None
+    if TORCH in args.layouts:  # the same weights, loss, optimizer and samples in PyTorch
+        from benchmarks.torch_step import make_torch_step
+
+        torch_step = make_torch_step(model, samples, LossConfig(), OptimizerConfig(), frozen_layers=args.frozen_layers,
+                                     remat=not args.no_remat)  # fmt: skip
     # One train state passed from layout to layout: the layouts share its structure and sharding.
     graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
     del model  # the state holds a copy of the parameters
@@ -166,7 +176,12 @@ def main() -> None:
             start = time.perf_counter()
             state, _, _ = step(state, batch)
             jax.block_until_ready(state)
-            runs[name, blocks] = dict(step=step, batch=batch, compile=time.perf_counter() - start, times=[])
+            runs[name, blocks] = {"step": step, "batch": batch, "compile": time.perf_counter() - start, "times": []}
+    if torch_step is not None:
+        start = time.perf_counter()
+        torch_step()  # warm-up
+        runs[TORCH, 0] = {"step": None, "batch": layouts(samples)["two forwards"][1],
+                          "compile": time.perf_counter() - start, "times": []}  # fmt: skip
     matrix = jnp.ones((2048, 2048), jnp.float32)
     matmul = jax.jit(lambda x: x @ x)
     matmul(matrix).block_until_ready()
@@ -174,8 +189,11 @@ def main() -> None:
     for _ in range(args.reps):  # interleaved, so load changes hit every layout and the peak alike
         for run in runs.values():
             start = time.perf_counter()
-            state, metrics, _ = run["step"](state, run["batch"])
-            jax.block_until_ready(metrics)
+            if run["step"] is None:
+                torch_step()
+            else:
+                state, metrics, _ = run["step"](state, run["batch"])
+                jax.block_until_ready(metrics)
             run["times"].append(time.perf_counter() - start)
         matmul_times += [timed(lambda: matmul(matrix)) for _ in range(5)]
     peak = 2 * 2048**3 / statistics.median(matmul_times)
@@ -186,7 +204,9 @@ def main() -> None:
           f"{args.rows} samples: prompt {p} (chat head + text), rubric {args.rubric}, tail {s}, response {args.response}; "
           f"{jax.devices()[0].platform}, matmul peak {peak / 1e9:.0f} GFLOP/s")  # fmt: skip
     median = {key: statistics.median(run["times"]) for key, run in runs.items()}
-    flops = {key: executed_flops(config, key[0], run["batch"]) for key, run in runs.items()}
+    # PyTorch's step is two forwards (the with-rubric one under no_grad), with torch's kernels.
+    flops = {key: executed_flops(config, "two forwards" if key[0] == TORCH else key[0], run["batch"]) for key, run in runs.items()}
+    blocks_of = {name: blocks for name, blocks in runs}
     columns = ["layout", "query blocks", "tokens per row", "step s (median)", "trained tokens/s", "GFLOP/s executed",
                "% of matmul peak", "FLOP ratio vs two forwards", "measured vs two forwards", "measured / FLOP ratio",
                "vs packed"]  # fmt: skip
@@ -194,11 +214,13 @@ def main() -> None:
     for (name, blocks), run in runs.items():
         t, f = median[name, blocks], flops[name, blocks]
         batch = run["batch"]
-        rows = batch if name == "two forwards" else (batch,)
+        rows = batch if name in ("two forwards", TORCH) else (batch,)
         shape = " + ".join(str(b.tokens.shape[1]) for b in rows)
         if name == "two-stream":
             shape += f" + {batch.rubric_tokens.shape[1]}"
-        cells = [name, blocks, shape, f"{t:.2f}", f"{trained / t:.0f}", f"{f / t / 1e9:.0f}", f"{100 * f / t / peak:.0f}%"]
+        blocks = blocks_of.get("two forwards", blocks) if name == TORCH else blocks  # compared with JAX's default
+        cells = [name if name != TORCH else "PyTorch (transformers, two forwards)", blocks if name != TORCH else "sdpa", shape, f"{t:.2f}", f"{trained / t:.0f}", f"{f / t / 1e9:.0f}",
+                 f"{100 * f / t / peak:.0f}%"]  # fmt: skip
         if ("two forwards", blocks) in runs:
             flop_ratio, measured = flops["two forwards", blocks] / f, median["two forwards", blocks] / t
             cells += [f"{flop_ratio:.2f}x", f"{measured:.2f}x", f"{measured / flop_ratio:.0%}"]
@@ -206,6 +228,9 @@ def main() -> None:
             cells += ["", "", ""]
         cells.append(f"{median['packed', blocks] / t:.2f}x" if ("packed", blocks) in runs else "")
         print("| " + " | ".join(map(str, cells)) + " |")
+    if torch_step is not None:
+        ours = min((median[key], key[0]) for key in median if key[0] != TORCH)
+        print(f"fastest JAX layout ({ours[1]}) vs PyTorch: {median[TORCH, 0] / ours[0]:.2f}x")
     print("compile s: " + ", ".join(f"{name} ({blocks}) {run['compile']:.0f}" for (name, blocks), run in runs.items()))
 
 

@@ -82,6 +82,11 @@ class TrainConfig:
     advantage: AdvantageConfig = AdvantageConfig()
     minibatch_rows: int = 16  # step samples per optimizer step; an update takes as many as it needs
     replay: str = "two-stream"  # the replay's batch layout (orsd_jax.batch.LAYOUTS), chosen in docs/benchmarks.md
+    # The PPO ratio's old log-probs: the sampler's as recorded ("sampler"), or the trainer's own at
+    # the rollout's parameters, one forward per minibatch before the update ("trainer": verl's
+    # recomputed old_log_prob; needed by LossConfig.tis_cap). They agree to 1e-5 in float32 and
+    # differ by 0.02 on average in bfloat16 (docs/benchmarks.md, "Sampler and trainer log-probs").
+    old_logprobs: str = "sampler"
     ppo_epochs: int = 1  # passes over an update's step samples (verl-agent: 1)
     micro_batches: int = 1
     devices: int | None = None  # mesh size (None: every device)
@@ -112,6 +117,10 @@ class TrainConfig:
             raise ValueError(f"unknown {self.env.name} splits {sorted(unknown)}; expected some of {EVAL_SPLITS[self.env.name]}")
         if self.replay not in LAYOUTS:
             raise ValueError(f"unknown replay layout {self.replay!r}; expected one of {LAYOUTS}")
+        if self.old_logprobs not in ("sampler", "trainer"):
+            raise ValueError(f"old_logprobs must be 'sampler' or 'trainer', got {self.old_logprobs!r}")
+        if self.loss.tis_cap is not None and self.old_logprobs != "trainer":
+            raise ValueError("loss.tis_cap weighs the trainer's old log-probs against the sampler's: set old_logprobs='trainer'")
         if self.ppo_epochs < 1:
             raise ValueError(f"ppo_epochs must be at least 1, got {self.ppo_epochs}")
         if self.group_size < 2:
@@ -280,6 +289,7 @@ def _paper(model: str, env: str) -> TrainConfig:
         advantage=AdvantageConfig(across_steps=True, invalid="format"),
         minibatch_rows=rows,
         ppo_epochs=1,
+        old_logprobs="trainer",  # verl recomputes old_log_prob with the actor before the update
         micro_batches=rows // devices,
         devices=devices,
         fsdp=model.endswith("4B"),

@@ -421,7 +421,7 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
     rng = np.random.default_rng([c.seed, update, 1])
     orders = [rng.permutation(len(samples)) for _ in range(c.ppo_epochs)]
     t0 = time.perf_counter()
-    if c.loss.tis_cap is not None:
+    if c.old_logprobs == "trainer":
         samples = with_trainer_logprobs(run.old_logprobs, run.state.params, samples, c)
     record = c.credit_every and (update + 1) % c.credit_every == 0 or update + 1 == c.updates
     run.state, loss_metrics, counts, recorded = train_minibatches(run.train_step, run.state, samples, orders, c, record, run.reference)

@@ -88,7 +88,7 @@ TIS = dataclasses.replace(preset("tiny").loss, tis_cap=2.0)
 
 
 # Two of them also run the switches of the replay: truncated importance sampling, the packed layout.
-@pytest.mark.parametrize("method, options", [("grpo", {"loss": TIS}), ("gigpo", {}), ("orsd-single", {"replay": "packed"}),
+@pytest.mark.parametrize("method, options", [("grpo", {"loss": TIS, "old_logprobs": "trainer"}), ("gigpo", {}), ("orsd-single", {"replay": "packed"}),
                                              ("orsd-random", {})])  # fmt: skip
 def test_each_method_runs_two_updates(method, options, tmp_path):
     train(dataclasses.replace(preset("tiny"), method=method, **options), tmp_path)
@@ -168,6 +168,11 @@ def _traj(rewards_valid, task="t"):
         for i, (reward, valid) in enumerate(rewards_valid)
     )
     return Trajectory(Task("alfworld", task, "pick", task), steps, won=any(r for r, _ in rewards_valid), score=0.0)
+
+
+def test_tis_needs_the_trainers_old_logprobs():
+    with pytest.raises(ValueError, match="old_logprobs='trainer'"):
+        dataclasses.replace(preset("tiny"), loss=TIS)
 
 
 def test_loss_temperature_must_be_the_samplers():
