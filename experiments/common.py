@@ -8,6 +8,7 @@ import json
 import pathlib
 import sys
 
+from orsd_jax.batch import LAYOUTS
 from orsd_jax.config import METHODS, PRESETS, TrainConfig, VerifierSetup, preset
 from orsd_jax.metrics_log import console_logging
 from orsd_jax.rubrics.verify import DASHSCOPE, VerifierConfig
@@ -40,6 +41,9 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--coef", type=float, help="lambda: weight of the rubric correction")
     p.add_argument("--clip", type=float, help="c: the gap is clipped to [-c, c]")
     p.add_argument("--lr", type=float)
+    p.add_argument("--replay", choices=LAYOUTS, help="the replay's batch layout (default: two-stream, the fastest)")
+    p.add_argument("--old-logprobs", choices=["sampler", "trainer"], help="the PPO ratio's old log-probs (paper presets: trainer)")
+    p.add_argument("--tis-cap", type=float, help="truncated importance sampling at this cap (needs --old-logprobs trainer)")
     p.add_argument("--devices", type=int, help="mesh size")
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--sampler", choices=["vllm", "jax"])
@@ -61,10 +65,11 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
     set_ = lambda obj, **kw: dataclasses.replace(obj, **{k: v for k, v in kw.items() if v is not None})  # noqa: E731
     c = set_(c, method=args.method, updates=args.updates, n_tasks=args.n_tasks, group_size=args.group_size,
              devices=args.devices, fsdp=args.fsdp, sampler=args.sampler, eval_games=args.eval_games, seed=args.seed,
-             strict=args.strict)  # fmt: skip
+             strict=args.strict, replay=args.replay, old_logprobs=args.old_logprobs)  # fmt: skip
     c = set_(c, model=set_(c.model, name=args.model), env=set_(c.env, data_dir=args.data_dir, task_types=args.task_types))
     c = set_(c, rubric=set_(c.rubric, candidates=args.candidates, min_correlation=args.min_correlation, source=args.rubric_source,
-                            source_file=args.rubric_file, selection=args.selection), loss=set_(c.loss, coef=args.coef, clip=args.clip))  # fmt: skip
+                            source_file=args.rubric_file, selection=args.selection),
+             loss=set_(c.loss, coef=args.coef, clip=args.clip, tis_cap=args.tis_cap))  # fmt: skip
     c = set_(c, optimizer=set_(c.optimizer, learning_rate=args.lr))
     if args.model:  # an explicit initial policy replaces the preset's warm start
         c = dataclasses.replace(c, model=dataclasses.replace(c.model, warmstart=None, random_shape=None))
@@ -122,6 +127,8 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
         f"advantage: {'GiGPO' if c.method == 'gigpo' else 'GRPO'}, {'mean-std' if a.normalize_std else 'mean-only'} "
         f"normalisation over the group's {'step samples' if a.across_steps else 'trajectories'}",
         f"KL to the initial policy: {f'k3, coefficient {c.loss.kl_coef}' if c.loss.kl_coef else 'off'}",
+        f"replay: {c.replay} layout; the PPO ratio's old log-probs from the {c.old_logprobs}"
+        + (f"; truncated importance sampling at {c.loss.tis_cap}" if c.loss.tis_cap is not None else ""),
         f"mini-batch: {c.minibatch_rows} step samples, {c.ppo_epochs} PPO epoch(s); optimizer steps per update: "
         f"{steps[0]} to {steps[1]} ({episodes_per_update} to {episodes_per_update * c.rollout.max_steps} step samples)",
         f"evaluation: {', '.join(c.eval_splits)}, {c.eval_games} tasks each",

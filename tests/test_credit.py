@@ -110,11 +110,13 @@ def test_update_metrics_are_exact_over_minibatches(tmp_path):
     _, metrics, counts, recorded = train_minibatches(step, state, samples, [np.arange(6)], config, record=True)
     tokens = counts["tokens"]
     assert len(recorded) == 3
-    # The forward reads the shared prompt once and the tail and response once per branch.
-    packed = [len(s.prefix) + len(s.insert) + (2 if s.insert else 1) * (len(s.tail) + len(s.response)) for s in samples]
-    # Each minibatch of 2 rows is padded to a multiple of 128 tokens.
-    slots = sum(2 * -(-max(packed[k : k + 2]) // 128) * 128 for k in range(0, 6, 2))
-    assert counts["row_tokens"] == sum(packed) and counts["row_slots"] == slots
+    # The forward reads the shared prompt once and the tail and response once per stream (two-stream
+    # layout, the default): [prefix tail response] and, with a rubric, [rubric tail response].
+    without = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
+    rubric = [len(s.insert) + len(s.tail) + len(s.response) if s.insert else 0 for s in samples]
+    # Each stream of a minibatch of 2 rows is padded to a multiple of 128 tokens.
+    slots = sum(2 * -(-max(stream[k : k + 2] + [1]) // 128) * 128 for stream in (without, rubric) for k in range(0, 6, 2))
+    assert counts["row_tokens"] == sum(without) + sum(rubric) and counts["row_slots"] == slots
     gaps = np.concatenate([
         values["gap"][i, : len(samples[r].response)]
         for rows, values, _ in recorded for i, r in enumerate(rows) if samples[r].insert

@@ -145,6 +145,7 @@ def test_dry_run_prints_the_protocol(name, env):
         "reward: success (10 x success); invalid answers (format rule) cost 0.1",
         "advantage: GRPO, mean-std normalisation over the group's step samples",
         "KL to the initial policy: k3, coefficient 0.01",
+        "replay: two-stream layout; the PPO ratio's old log-probs from the trainer",
         f"mini-batch: {rows} step samples, 1 PPO epoch(s); optimizer steps per update: 1 to {-(-samples // rows)} "
         f"(64 to {samples} step samples)",
         "rubric selection: spearman, rank-correlated with the group's outcomes",
