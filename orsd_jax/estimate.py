@@ -8,7 +8,9 @@ estimate of what the backward pass keeps, to within tens of percent. Assumptions
   parameters' dtype); with micro-batches, a float32 gradient accumulator besides.
   With FSDP all of these are divided by the device count; one layer's weights are gathered at a
   time (the layers run in a ``lax.scan``).
-- Activations of one micro-batch of ``rows / (devices * micro_batches)`` packed rows of
+- Activations of the packed layout (an upper bound for the default two-stream replay, whose
+  gradient stream is shorter and whose with-rubric stream keeps nothing but every layer's prefix
+  keys and values): one micro-batch of ``rows / (devices * micro_batches)`` packed rows of
   ``seq_len`` tokens in ``compute_dtype``. Without remat, every layer keeps its intermediates
   (including the ``[heads, T, T]`` attention scores and probabilities); with remat, every layer
   keeps its input and one layer at a time is recomputed.
