@@ -47,7 +47,7 @@ from flax import nnx
 from orsd_jax import chat
 from orsd_jax.batch import StepSample, build_batch
 from orsd_jax.estimate import forward_flops, step_flops, train_flops
-from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss, response_logprobs
+from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss, response_logprobs, without_gradient
 from orsd_jax.models import EMBEDDED, CausalLM, decoder, load_model
 from orsd_jax.train_step import OptimizerConfig, init_train_state, make_mesh, make_optimizer, make_train_step
 
@@ -59,10 +59,8 @@ class TwoForwardLoss(OrsdLoss):
     def __call__(self, model, batch):
         with_rows, without_rows = batch
         c = self.config
-        # The with-rubric forward on stop-gradient parameters: no tangents, nothing kept for a backward.
-        graphdef, params = nnx.split(model)
-        frozen = nnx.merge(graphdef, jax.lax.stop_gradient(params))
-        _, logp_with, _ = response_logprobs(frozen, with_rows, temperature=c.temperature, with_rubric=False)
+        # The with-rubric forward on stop-gradient parameters, as the two-stream replay's.
+        _, logp_with, _ = response_logprobs(without_gradient(model), with_rows, temperature=c.temperature, with_rubric=False)
         _, logp, entropy = response_logprobs(model, without_rows, temperature=c.temperature, with_rubric=False)
         return policy_loss(logp, entropy, jax.lax.stop_gradient(logp_with), without_rows, c)
 

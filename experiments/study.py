@@ -112,7 +112,7 @@ def dry_run(plan: study.StudyPlan, configs: dict[study.RunSpec, TrainConfig], pa
         c = configs[run].resolved()
         n = c.updates * c.n_tasks * c.group_size
         model = estimate.PAPER_MODELS.get(c.model.name)
-        h = study.gpu_hours(study.run_flops(estimate.param_count(model), c)) if model else None
+        h = study.gpu_hours(study.run_flops(model, c)) if model else None
         hours.append(h)
         episodes, steps = episodes + n, steps + n * c.rollout.max_steps
         estimated = "-" if h is None else f"{h:.0f}"

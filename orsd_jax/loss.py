@@ -16,7 +16,8 @@ with ``w = min(exp(l_old - l_sampler), tis_cap)`` under truncated importance sam
 then the trainer's log-probs at the rollout's parameters), else 1.
 
 ``l+`` comes from the same forward as ``l-`` (the packed layout of ``orsd_jax.batch``) or from
-the two-stream replay that reuses its prefix's keys and values, and is under stop-gradient. ``l_ref`` is a frozen reference policy's (the initial policy, verl-agent's
+the two-stream replay that reuses its prefix's keys and values, and is under stop-gradient.
+``l_ref`` is a frozen reference policy's (the initial policy, verl-agent's
 ``use_kl_loss``): ``batch.ref_logp`` when the batch carries it, else computed in the same step
 from the reference model the train step hands the loss.
 """
@@ -81,13 +82,18 @@ def response_logprobs(
     if keys_values:
         # The with-rubric stream reads the prefix's keys and values from a cache whose slots are
         # positions, with the policy's parameters under stop-gradient: no backward pass over it.
-        graphdef, params = nnx.split(model)
-        model = nnx.merge(graphdef, jax.lax.stop_gradient(params))
+        model = without_gradient(model)
         slots = ((0, 0), (0, 0), (0, batch.rubric_tokens.shape[1]), (0, 0), (0, 0))  # [L, B, T + U, K, H]
         cache = KVCache(*(jnp.pad(x, slots) for x in prefix))
         hidden, _ = model.hidden_states(batch.rubric_tokens, batch.rubric_positions, cache=cache)
     logp_with, _ = logprobs_at(model, hidden, batch.with_index, batch.response, **options)
     return jax.lax.stop_gradient(logp_with), logp_without, entropy
+
+
+def without_gradient(model: CausalLM) -> CausalLM:
+    """``model`` on stop-gradient parameters: a forward through it keeps nothing for a backward."""
+    graphdef, params = nnx.split(model)
+    return nnx.merge(graphdef, jax.lax.stop_gradient(params))
 
 
 def logprobs_at(

@@ -19,6 +19,8 @@ import numpy as np
 
 from orsd_jax import metrics_log
 from orsd_jax.config import METHODS, TrainConfig
+from orsd_jax.estimate import forward_flops, train_flops
+from orsd_jax.models import ModelConfig
 
 RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
@@ -232,22 +234,28 @@ def budget(records: Sequence[dict], episodes_per_update: int) -> Budget:
     return Budget(len(train), len(train) * episodes_per_update, *sums)
 
 
-def run_flops(params: int, config: TrainConfig) -> float:
-    """An upper bound on a run's dense work for a model of ``params`` parameters: every episode runs
-    ``max_steps`` steps at the full prompt and response lengths; 2 FLOPs per parameter and token for a
-    forward, 4 for a backward, 2 more each for remat, the KL's reference and ORSD's with-rubric pass;
-    rubric writing (policy source) and evaluation sweeps as forwards. A remote verifier is not counted."""
+def run_flops(model: ModelConfig, config: TrainConfig) -> float:
+    """An upper bound on a run's dense work, from ``orsd_jax.estimate``'s FLOP counts for ``model``:
+    every episode runs ``max_steps`` steps at the full prompt and response lengths; a rollout step
+    costs a forward over them, training ``estimate.train_flops`` per PPO epoch, the KL's reference,
+    the trainer's old log-probs and ORSD's with-rubric stream a forward each; rubric writing
+    (policy source) and evaluation sweeps as forwards. A remote verifier is not counted."""
     c = config.resolved()
     r = c.rollout
-    step_tokens = r.max_prompt_tokens + r.max_response_tokens
+    model = dataclasses.replace(model, remat=c.model.remat, frozen_layers=c.model.frozen_layers)
+    tokens, y = r.max_prompt_tokens + r.max_response_tokens, r.max_response_tokens
     samples = c.n_tasks * c.group_size * r.max_steps  # step samples per update
-    train = c.ppo_epochs * (6 + 2 * c.model.remat + 2 * bool(c.loss.kl_coef) + 2 * c.uses_rubrics)
-    writes = c.uses_rubrics and c.rubric.source == "policy"
-    writing = writes * c.n_tasks * c.rubric.candidates * (c.rubric.max_prompt_tokens + c.rubric.max_new_tokens)
-    per_update = samples * step_tokens * (2 + train) + 2 * writing
+    forwards = 1 + bool(c.loss.kl_coef) + (c.old_logprobs == "trainer")  # rollout, reference, old log-probs
+    per_update = forwards * forward_flops(model, samples, tokens, y) + c.ppo_epochs * train_flops(model, samples, tokens, y)
+    if c.uses_rubrics:
+        rubric = c.rubric.max_new_tokens  # the with-rubric stream: the rubric, then the response
+        per_update += c.ppo_epochs * forward_flops(model, samples, rubric + y, y, keys=tokens + rubric)
+        if c.rubric.source == "policy":
+            writing = c.rubric.max_prompt_tokens + c.rubric.max_new_tokens
+            per_update += forward_flops(model, c.n_tasks * c.rubric.candidates, writing, c.rubric.max_new_tokens)
     evaluations = (c.updates - 1) // c.eval_every + 1 if c.eval_every else 1
-    evaluation = evaluations * len(c.eval_splits) * c.eval_games * r.max_steps * step_tokens * 2
-    return float(params) * (c.updates * per_update + evaluation)
+    episodes = evaluations * len(c.eval_splits) * c.eval_games
+    return c.updates * per_update + forward_flops(model, episodes * r.max_steps, tokens, y)
 
 
 def gpu_hours(flops: float, peak: float = A100_BF16_FLOPS, utilization: float = UTILIZATION) -> float:

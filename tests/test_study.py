@@ -14,7 +14,7 @@ import time
 import pytest
 
 from experiments import study as cli
-from orsd_jax import study
+from orsd_jax import estimate, study
 from orsd_jax.config import preset, to_json
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -248,9 +248,13 @@ def test_dry_run_plans_a_paper_grid_and_starts_nothing(tmp_path, capsys):
 
 def test_gpu_hours_scale_with_the_work():
     c = preset("paper-qwen3-1.7b")
-    one = study.run_flops(1_000, c)
-    assert study.run_flops(2_000, c) == pytest.approx(2 * one)
-    assert study.run_flops(1_000, dataclasses.replace(c, updates=600)) == pytest.approx(2 * one, rel=0.01)
+    one = study.run_flops(estimate.QWEN3_1_7B, c)
+    # Twice the layers, twice the work less the (unchanged) LM head's share.
+    deeper = dataclasses.replace(estimate.QWEN3_1_7B, num_layers=2 * estimate.QWEN3_1_7B.num_layers)
+    assert 1.7 * one < study.run_flops(deeper, c) < 2 * one
+    assert study.run_flops(estimate.QWEN3_1_7B, dataclasses.replace(c, updates=600)) == pytest.approx(2 * one, rel=0.01)
+    assert study.run_flops(estimate.QWEN3_1_7B, dataclasses.replace(c, method="orsd")) > study.run_flops(
+        estimate.QWEN3_1_7B, dataclasses.replace(c, method="grpo"))  # the with-rubric stream and the writing
     assert study.gpu_hours(study.A100_BF16_FLOPS * study.UTILIZATION * 3600) == pytest.approx(1.0)
 
 
