@@ -1,6 +1,7 @@
 """EnvPool with a tiny environment that reports its process: placement, routing, errors."""
 
 import os
+import time
 
 import pytest
 
@@ -10,7 +11,7 @@ TASK = Task("test", "0", "none", "nothing")
 
 
 class PidEnv:
-    """Answers with its process id and the command; "raise" and "die" misbehave on purpose."""
+    """Answers with its process id and the command; "raise", "die", "slow" and "hang" misbehave on purpose."""
 
     def reset(self, task):
         return EnvStep(observation=str(os.getpid()), admissible_actions=())
@@ -20,6 +21,10 @@ class PidEnv:
             raise ValueError("boom")
         if action == "die":
             os._exit(3)
+        if action == "slow":
+            time.sleep(0.5)
+        if action == "hang":
+            time.sleep(3600)
         return EnvStep(observation=f"{os.getpid()}:{action}", admissible_actions=())
 
     def close(self):
@@ -55,3 +60,24 @@ def test_worker_failures_are_reported():
     finally:
         pool.close()
     pool.close()  # closing twice is harmless
+
+
+def test_a_hung_worker_is_killed_at_the_timeout_and_reported():
+    with EnvPool(PidEnv, 2, n_workers=2, timeout=3) as pool:
+        pool.reset([TASK, TASK])
+        start = time.monotonic()
+        with pytest.raises(EnvWorkerError, match="worker 0 .* did not answer within 3 s"):
+            pool.step(["hang", "a"])
+        assert time.monotonic() - start < 10
+        assert pool.step([None, "b"])[1].observation.endswith(":b")  # the other worker still serves
+        with pytest.raises(EnvWorkerError, match="worker 0 .*(died|is gone)"):
+            pool.step(["a", None])
+
+
+def test_no_stale_reply_after_another_workers_failure():
+    """Worker 1's reply to the failed call is read with it, so the next call gets its own answer."""
+    with EnvPool(PidEnv, 2, n_workers=2) as pool:
+        pool.reset([TASK, TASK])
+        with pytest.raises(EnvWorkerError, match="boom"):
+            pool.step(["raise", "slow"])
+        assert pool.step([None, "fresh"])[1].observation.endswith(":fresh")

@@ -3,8 +3,10 @@
 ALFWorld resets cost 0.3-0.5 s of PDDL grounding and steps are pure Python, so a group of
 ``n_tasks x G`` environments runs in a few processes, each holding a slice of them. Workers are
 started with ``spawn`` (the trainer process runs JAX threads, which ``fork`` would copy badly).
-A worker that dies or raises surfaces as ``EnvWorkerError`` naming the worker and the cause;
-``close()`` (also run at interpreter exit) ends every worker.
+A worker that dies, raises or does not answer within ``timeout`` seconds (it is then killed)
+surfaces as ``EnvWorkerError`` naming the worker and the cause, after every other worker's
+reply to the same call has been read, so no later call receives a stale one
+(``tests/test_env_pool.py``). ``close()`` (also run at interpreter exit) ends every worker.
 """
 
 from __future__ import annotations
@@ -56,7 +58,11 @@ class EnvPool:
     environment, where None skips that environment (finished episodes) and returns None for it.
     """
 
-    def __init__(self, make_env: Callable[[], TextEnv], n_envs: int, n_workers: int | None = None):
+    def __init__(self, make_env: Callable[[], TextEnv], n_envs: int, n_workers: int | None = None,
+                 timeout: float = 300.0):
+        # ``timeout``: seconds a worker may take for one call (its build included). ALFWorld
+        # resets take 0.5 s and WebShop searches under 1 s; a hung game engine would otherwise
+        # block training forever.
         if n_envs < 1:
             raise ValueError(f"n_envs must be at least 1, got {n_envs}")
         n_workers = max(1, min(n_envs, n_workers or os.cpu_count() or 1))
@@ -64,6 +70,7 @@ class EnvPool:
         # Environment i lives in worker i % n_workers at local index i // n_workers.
         self._owner = [(i % n_workers, i // n_workers) for i in range(n_envs)]
         self.n_envs = n_envs
+        self.timeout = timeout
         self._conns, self._procs = [], []
         for w in range(n_workers):
             parent, child = ctx.Pipe()
@@ -74,21 +81,38 @@ class EnvPool:
             self._conns.append(parent)
             self._procs.append(proc)
         atexit.register(self.close)
-        for w in range(n_workers):
-            self._receive(w)
+        try:
+            self._gather(range(n_workers))
+        except EnvWorkerError:
+            self.close()
+            raise
 
     def _receive(self, w: int) -> Any:
+        """Worker ``w``'s reply, or the ``EnvWorkerError`` that replaces it (returned, not raised)."""
         conn, proc = self._conns[w], self._procs[w]
         try:
+            if not conn.poll(self.timeout):
+                proc.kill()
+                proc.join(timeout=5)
+                return EnvWorkerError(f"environment worker {w} (pid {proc.pid}) did not answer within "
+                                      f"{self.timeout:g} s and was killed")  # fmt: skip
             status, payload = conn.recv()
         except (EOFError, OSError, ConnectionError) as err:
             proc.join(timeout=1)
-            raise EnvWorkerError(
-                f"environment worker {w} (pid {proc.pid}) died, exit code {proc.exitcode}"
-            ) from err
+            error = EnvWorkerError(f"environment worker {w} (pid {proc.pid}) died, exit code {proc.exitcode}")
+            error.__cause__ = err
+            return error
         if status == "error":
-            raise EnvWorkerError(f"environment worker {w} (pid {proc.pid}) failed:\n{payload}")
+            return EnvWorkerError(f"environment worker {w} (pid {proc.pid}) failed:\n{payload}")
         return payload
+
+    def _gather(self, workers, failures: Sequence[EnvWorkerError] = ()) -> dict[int, Any]:
+        """Every listed worker's reply; the first failure is raised once all replies are read."""
+        replies = {w: self._receive(w) for w in workers}
+        failures = [*failures, *(r for r in replies.values() if isinstance(r, EnvWorkerError))]
+        if failures:
+            raise failures[0]
+        return replies
 
     def _scatter(self, cmd: str, items: Sequence[Any]) -> list[Any]:
         if len(items) != self.n_envs:
@@ -98,14 +122,17 @@ class EnvPool:
             if item is not None:
                 w, local = self._owner[i]
                 per_worker.setdefault(w, []).append((i, local, item))
+        sent, failures = [], []
         for w, jobs in per_worker.items():
             try:
                 self._conns[w].send((cmd, [(local, item) for _, local, item in jobs]))
+                sent.append(w)
             except (BrokenPipeError, OSError) as err:
-                raise EnvWorkerError(f"environment worker {w} is gone: {err}") from err
+                failures.append(EnvWorkerError(f"environment worker {w} is gone: {err}"))
+        replies = self._gather(sent, failures)
         out: list[Any] = [None] * self.n_envs
         for w, jobs in per_worker.items():
-            for (i, _, _), result in zip(jobs, self._receive(w)):
+            for (i, _, _), result in zip(jobs, replies[w]):
                 out[i] = result
         return out
 
