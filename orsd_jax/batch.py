@@ -19,18 +19,24 @@ instead of its row::
 
     tokens          prefix   | tail  response   | padding      (the without-rubric stream)
     rubric_tokens   insert  tail  response      | padding      (the with-rubric stream)
-    rubric_positions P .. P+R+S+Y-1             | P+R+S+Y ...
+    rubric_positions P .. P+R+S+Y-1             | 0 ...
 
 ``orsd_jax.loss`` runs the without-rubric stream with gradients, keeping every layer's keys and
-values, and the with-rubric stream afterwards under stop-gradient, attending to the prefix's keys
-through a cache whose slots are positions: the backward pass never touches the rubric's tokens
-and the prefix is computed once (``benchmarks/loss.py`` measures both layouts against two plain
-forwards). Its padding tokens sit at the slot after the row's last token, which no real token sees.
+values, and the with-rubric stream afterwards under stop-gradient, attending through a cache
+that holds the row's keys and then the stream's own (``rubric_attention_mask``): the backward
+pass never touches the rubric's tokens and the prefix is computed once (``benchmarks/loss.py``
+measures both layouts against two plain forwards).
 
-Shapes: B rows (step samples, padded to ``batch_multiple``), T packed length (padded to
-``seq_multiple``), U the with-rubric stream's length (two-stream only, padded the same), Y
-response length (padded to ``response_multiple``). Padding in B, T, U and Y lets the jitted step
-compile once per bucket.
+With ``build_batch(pack=True)`` a row holds several samples one after another, each a segment
+(``segment``, ``rubric_segment``: its slot in the row) that attends only to itself, so rows of
+short and long prompts waste fewer padding slots. Per-sample arrays then have ``B = rows x K``
+slots, row-major (slot ``b`` is in row ``b // K``), and ``sample`` names the input sample in
+each.
+
+Shapes: R rows (padded to ``batch_multiple``), B = R x K sample slots (K: the most samples in a
+row; 1 without packing), T row length (padded to ``seq_multiple``), U the with-rubric stream's
+length (two-stream only, padded the same), Y response length (padded to
+``response_multiple``). Padding lets the jitted step compile once per bucket.
 """
 
 from __future__ import annotations
@@ -67,11 +73,13 @@ class StepSample:
 class Batch:
     """Packed step samples (numpy on the host; the jitted step takes it as a pytree of arrays)."""
 
-    tokens: jax.Array  # int32[B, T]
-    positions: jax.Array  # int32[B, T]
-    branch: jax.Array  # int32[B, T]: SHARED, WITH, WITHOUT or PAD
+    tokens: jax.Array  # int32[R, T]
+    positions: jax.Array  # int32[R, T]
+    branch: jax.Array  # int32[R, T]: SHARED, WITH, WITHOUT or PAD
+    segment: jax.Array  # int32[R, T]: the token's sample slot in its row, PAD for padding
+    sample: jax.Array  # int32[B]: the input sample in each slot, -1 for an empty one
     response: jax.Array  # int32[B, Y]: the response tokens
-    # Row index whose output predicts response[:, j] with the rubric (two-stream: in rubric_tokens).
+    # Index in the slot's row whose output predicts response[:, j] with the rubric (two-stream: in rubric_tokens).
     with_index: jax.Array  # int32[B, Y]
     without_index: jax.Array  # int32[B, Y]: the same without the rubric
     response_mask: jax.Array  # float32[B, Y]: 1 on real response tokens
@@ -80,16 +88,23 @@ class Batch:
     has_rubric: jax.Array  # bool[B]
     ref_logp: jax.Array | None = None  # float32[B, Y]
     sampler_logp: jax.Array | None = None  # float32[B, Y]
-    # [B, T, D]: the model's ``frozen_states`` of ``tokens``, computed once (the warm start's epochs).
+    # [R, T, D]: the model's ``frozen_states`` of ``tokens``, computed once (the warm start's epochs).
     frozen: jax.Array | None = None
     # The two-stream layout's with-rubric stream (None: the packed layout).
-    rubric_tokens: jax.Array | None = None  # int32[B, U]
-    rubric_positions: jax.Array | None = None  # int32[B, U]
-    rubric_branch: jax.Array | None = None  # int32[B, U]: WITH or PAD
+    rubric_tokens: jax.Array | None = None  # int32[R, U]
+    rubric_positions: jax.Array | None = None  # int32[R, U]
+    rubric_branch: jax.Array | None = None  # int32[R, U]: WITH or PAD
+    rubric_segment: jax.Array | None = None  # int32[R, U]: as ``segment``
 
     @property
     def two_stream(self) -> bool:
         return self.rubric_tokens is not None
+
+    def sample_slots(self) -> np.ndarray:
+        """``int[N]``: the slot holding each input sample, in input order."""
+        sample = np.asarray(self.sample)
+        filled = np.flatnonzero(sample >= 0)
+        return filled[np.argsort(sample[filled])]
 
     def token_counts(self) -> tuple[int, int]:
         """``(tokens, slots)``: the tokens the forward passes read, without and with their padding."""
@@ -114,22 +129,35 @@ def _check(i: int, s: StepSample) -> None:
             raise ValueError(f"sample {i}: {len(values)} {name} for {len(s.response)} response tokens")
 
 
-def _two_streams(s: StepSample) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
-    """The two-stream layout of one sample: the without-rubric stream's tokens and branch ids, the
-    with-rubric stream's tokens and positions, and the predicting index of each response token in
-    each stream (the with-rubric stream empty without a rubric, and its index 0)."""
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """One sample's tokens in a row (and, two-stream, in the with-rubric stream's row); indices
+    are relative to the segment's start."""
+
+    tokens: list[int]
+    positions: list[int]
+    branch: list[int]
+    without_index: list[int]  # the predicting index of each response token, without the rubric
+    with_index: list[int]  # the same with the rubric: in ``rubric`` (two-stream) or in ``tokens``
+    rubric: list[int] = dataclasses.field(default_factory=list)  # two-stream: [insert tail response]
+    rubric_positions: list[int] = dataclasses.field(default_factory=list)
+
+
+def _two_streams(s: StepSample) -> _Segment:
+    """The two-stream layout of one sample (the with-rubric stream empty without a rubric)."""
     p, r, st, y = len(s.prefix), len(s.insert), len(s.tail), len(s.response)
     tokens = [*s.prefix, *s.tail, *s.response]
     branch = [SHARED] * p + [WITHOUT] * (st + y)
     without_index = [p + st + j - 1 for j in range(y)]
     if not r:
-        return tokens, branch, [], [], [0] * y, without_index
+        return _Segment(tokens, list(range(len(tokens))), branch, without_index, [0] * y)
     rubric = [*s.insert, *s.tail, *s.response]
-    return tokens, branch, rubric, list(range(p, p + len(rubric))), [r + st + j - 1 for j in range(y)], without_index
+    with_index = [r + st + j - 1 for j in range(y)]
+    return _Segment(tokens, list(range(len(tokens))), branch, without_index, with_index, rubric, list(range(p, p + len(rubric))))
 
 
-def _pack(s: StepSample) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-    """One row: tokens, positions, branch ids, and the predicting row index of each response token per branch."""
+def _pack(s: StepSample) -> _Segment:
+    """The packed layout of one sample: both branches in one segment."""
     p, r, st, y = len(s.prefix), len(s.insert), len(s.tail), len(s.response)
     tokens = [*s.prefix]
     positions = list(range(p))
@@ -139,7 +167,7 @@ def _pack(s: StepSample) -> tuple[list[int], list[int], list[int], list[int], li
         tokens += [*s.insert, *s.tail, *s.response]
         positions += range(p, p + r + st + y)
         branch += [WITH] * (r + st + y)
-        with_rows = list(range(p + r + st + y))  # the with-rubric sequence, row by row
+        with_rows = list(range(p + r + st + y))  # the with-rubric sequence, index by index
     start = len(tokens)
     tokens += [*s.tail, *s.response]
     positions += range(p, p + st + y)
@@ -148,7 +176,26 @@ def _pack(s: StepSample) -> tuple[list[int], list[int], list[int], list[int], li
     # Response token j sits at sequence index (prompt length + j) and is predicted by the one before.
     without_index = [without_rows[p + st + j - 1] for j in range(y)]
     with_index = [with_rows[p + r + st + j - 1] for j in range(y)] if r else without_index
-    return tokens, positions, branch, with_index, without_index
+    return _Segment(tokens, positions, branch, without_index, with_index)
+
+
+def _rows(segments: Sequence[_Segment], t: int, u: int, pack: bool) -> list[list[int]]:
+    """The samples of each row: one per row in order, or (``pack``) first-fit by decreasing
+    length into rows of ``t`` tokens and ``u`` with-rubric stream tokens."""
+    if not pack:
+        return [[i] for i in range(len(segments))]
+    rows: list[list[int]] = []
+    used: list[tuple[int, int]] = []
+    for i in sorted(range(len(segments)), key=lambda i: -len(segments[i].tokens)):
+        n, m = len(segments[i].tokens), len(segments[i].rubric)
+        row = next((k for k, (a, c) in enumerate(used) if a + n <= t and c + m <= u), None)
+        if row is None:
+            rows.append([])
+            used.append((0, 0))
+            row = len(rows) - 1
+        rows[row].append(i)
+        used[row] = (used[row][0] + n, used[row][1] + m)
+    return rows
 
 
 def build_batch(
@@ -159,13 +206,19 @@ def build_batch(
     batch_multiple: int = 1,
     pad_id: int = 0,
     layout: str = "packed",
+    pack: bool = False,
 ) -> Batch:
     """Packs step samples into a ``Batch`` of numpy arrays in ``layout`` (``LAYOUTS``, see the
     module docstring).
 
-    Padding rows (to make B a multiple of ``batch_multiple``, e.g. devices x micro-batches) have
-    no tokens and no response mask, so they add nothing to any loss or count. Reference and
-    sampler log-probs are kept when every sample has them and dropped (``None``) when none has.
+    Without ``pack`` each row holds one sample, in order. With ``pack``, rows hold as many
+    samples as fit in the longest sample's padded length (first fit by decreasing length), each
+    a segment of its own, so fewer padding slots are computed; the sample slots (``B = rows x
+    K``, K the most samples in a row) are row-major and ``Batch.sample`` says which input sample
+    each holds. Padding rows (to make the row count a multiple of ``batch_multiple``, e.g.
+    devices x micro-batches) and empty slots have no tokens and no response mask, so they add
+    nothing to any loss or count. Reference and sampler log-probs are kept when every sample has
+    them and dropped (``None``) when none has.
     """
     if not samples:
         raise ValueError("no step samples")
@@ -178,18 +231,23 @@ def build_batch(
             raise ValueError(f"{name} must be given for every sample or for none")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
-    if layout == "two-stream":
-        streams = [_two_streams(s) for s in samples]
-        rows = [(tok, list(range(len(tok))), br, w_idx, wo_idx) for tok, br, _, _, w_idx, wo_idx in streams]
-    else:
-        rows = [_pack(s) for s in samples]
-    b = _round_up(len(samples), batch_multiple)
-    t = _round_up(max(len(row[0]) for row in rows), seq_multiple)
+    two_stream = layout == "two-stream"
+    segments = [(_two_streams if two_stream else _pack)(s) for s in samples]
+    t = _round_up(max(len(g.tokens) for g in segments), seq_multiple)
+    u = _round_up(max(1, *(len(g.rubric) for g in segments)), seq_multiple) if two_stream else 0
+    members = _rows(segments, t, u, pack)
+    r = _round_up(len(members), batch_multiple)
+    k = max(len(m) for m in members)
+    b = r * k
     y = _round_up(max(len(s.response) for s in samples), response_multiple)
 
-    tokens = np.full((b, t), pad_id, np.int32)
-    positions = np.zeros((b, t), np.int32)
-    branch = np.full((b, t), PAD, np.int32)
+    tokens = np.full((r, t), pad_id, np.int32)
+    positions = np.zeros((r, t), np.int32)
+    branch = np.full((r, t), PAD, np.int32)
+    segment = np.full((r, t), PAD, np.int32)
+    rubric = {"rubric_tokens": np.full((r, u), pad_id, np.int32), "rubric_positions": np.zeros((r, u), np.int32),
+              "rubric_branch": np.full((r, u), PAD, np.int32), "rubric_segment": np.full((r, u), PAD, np.int32)}  # fmt: skip
+    sample = np.full((b,), -1, np.int32)
     response = np.full((b, y), pad_id, np.int32)
     with_index = np.zeros((b, y), np.int32)
     without_index = np.zeros((b, y), np.int32)
@@ -197,34 +255,32 @@ def build_batch(
     logps = {name: np.zeros((b, y), np.float32) for name in ("old_logprobs", *optional)}
     advantage = np.zeros((b,), np.float32)
     has_rubric = np.zeros((b,), bool)
-    for i, (s, (tok, pos, br, w_idx, wo_idx)) in enumerate(zip(samples, rows)):
-        n, m = len(tok), len(s.response)
-        tokens[i, :n], positions[i, :n], branch[i, :n] = tok, pos, br
-        response[i, :m] = s.response
-        with_index[i, :m], without_index[i, :m] = w_idx, wo_idx
-        mask[i, :m] = 1.0
-        for name, values in logps.items():
-            if getattr(s, name) is not None:
-                values[i, :m] = getattr(s, name)
-        advantage[i] = s.advantage
-        has_rubric[i] = bool(s.insert)
-    two_stream = {}
-    if layout == "two-stream":
-        u = _round_up(max(1, *(len(stream[2]) for stream in streams)), seq_multiple)
-        rubric_tokens = np.full((b, u), pad_id, np.int32)
-        rubric_positions = np.zeros((b, u), np.int32)
-        rubric_branch = np.full((b, u), PAD, np.int32)
-        for i, (_, _, rubric, pos, _, _) in enumerate(streams):
-            if rubric:
-                n = len(rubric)
-                rubric_tokens[i, :n], rubric_branch[i, :n] = rubric, WITH
-                rubric_positions[i] = [*pos, *[pos[-1] + 1] * (u - n)]  # padding: the slot no real token sees
-        two_stream = {"rubric_tokens": rubric_tokens, "rubric_positions": rubric_positions, "rubric_branch": rubric_branch}
+    for row, indices in enumerate(members):
+        at, at_rubric = 0, 0  # where the next segment starts in the row and in its with-rubric stream
+        for slot, i in enumerate(indices):
+            s, g, n = samples[i], segments[i], len(segments[i].tokens)
+            tokens[row, at : at + n], positions[row, at : at + n], branch[row, at : at + n] = g.tokens, g.positions, g.branch
+            segment[row, at : at + n] = slot
+            j, m = row * k + slot, len(s.response)
+            sample[j], response[j, :m], mask[j, :m] = i, s.response, 1.0
+            without_index[j, :m] = np.asarray(g.without_index) + at
+            with_index[j, :m] = np.asarray(g.with_index) + (at_rubric if two_stream else at)
+            for name, values in logps.items():
+                if getattr(s, name) is not None:
+                    values[j, :m] = getattr(s, name)
+            advantage[j], has_rubric[j] = s.advantage, bool(s.insert)
+            if g.rubric:
+                span = slice(at_rubric, at_rubric + len(g.rubric))
+                rubric["rubric_tokens"][row, span], rubric["rubric_positions"][row, span] = g.rubric, g.rubric_positions
+                rubric["rubric_branch"][row, span], rubric["rubric_segment"][row, span] = WITH, slot
+            at, at_rubric = at + n, at_rubric + len(g.rubric)
     return Batch(
-        **two_stream,
+        **(rubric if two_stream else {}),
         tokens=tokens,
         positions=positions,
         branch=branch,
+        segment=segment,
+        sample=sample,
         response=response,
         with_index=with_index,
         without_index=without_index,
@@ -237,13 +293,27 @@ def build_batch(
     )
 
 
-def tree_attention_mask(branch: jax.Array) -> jax.Array:
-    """``bool[B, T, T]`` from branch ids ``[B, T]``: causal, and a token of one branch never sees the other.
+def tree_attention_mask(branch: jax.Array, segment: jax.Array | None = None) -> jax.Array:
+    """``bool[B, T, T]`` from branch ids ``[B, T]`` (and segment ids, rows holding several samples):
+    causal, within one segment, and a token of one branch never sees the other.
 
-    Query ``i`` attends key ``j`` iff ``j <= i``, both are real tokens, and ``j`` is in the shared
-    prefix or in ``i``'s branch. Padding queries attend nothing.
+    Query ``i`` attends key ``j`` iff ``j <= i``, both are real tokens of the same segment, and
+    ``j`` is in the shared prefix or in ``i``'s branch. Padding queries attend nothing.
     """
     t = branch.shape[1]
     query, key = branch[:, :, None], branch[:, None, :]
     causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    return causal[None] & (query != PAD) & (key != PAD) & ((key == SHARED) | (key == query))
+    mask = causal[None] & (query != PAD) & (key != PAD) & ((key == SHARED) | (key == query))
+    return mask if segment is None else mask & (segment[:, :, None] == segment[:, None, :])
+
+
+def rubric_attention_mask(batch: Batch) -> jax.Array:
+    """``bool[B, U, T + U]``: what the with-rubric stream's tokens see of a cache holding the row's
+    keys in slots ``[0, T)`` and the stream's own in ``[T, T + U)``: their sample's prefix, and
+    their own earlier stream tokens. Padding tokens see nothing."""
+    u = batch.rubric_tokens.shape[1]
+    query = batch.rubric_segment[:, :, None]
+    prefix = (batch.branch == SHARED)[:, None, :] & (batch.segment[:, None, :] == query)
+    causal = jnp.arange(u)[:, None] >= jnp.arange(u)[None, :]
+    own = causal[None] & (batch.rubric_segment[:, None, :] == query)
+    return jnp.concatenate([prefix, own], axis=2) & (query != PAD)

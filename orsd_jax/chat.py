@@ -41,17 +41,20 @@ def chat_format(tokenizer, *, system: str | None = None, thinking: bool = False)
         raise ValueError("the tokenizer's chat template does not place the user text exactly once")
     head, tail = text.split(_SENTINEL)
     think = tail.find("<think>")
+    template = lambda t: list(tokenizer.encode(t, add_special_tokens=False)) if t else []  # noqa: E731
     return ChatFormat(
-        head=tuple(encode(tokenizer, head)),
-        tail=tuple(encode(tokenizer, tail)),
+        head=tuple(template(head)),
+        tail=tuple(template(tail)),
         stop_token_ids=stop_token_ids(tokenizer),
         prefill=tail[think:] if think >= 0 else "",
     )
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` with no special tokens added (special tokens written in it stay)."""
-    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+    """Token ids of ``text`` as text: none added, and a special token's string written in it (an
+    environment's or the model's ``<|im_end|>``) is split into ordinary tokens, so no text can
+    end a turn or open another one (``tests/faults/test_model_output.py``)."""
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)) if text else []
 
 
 def prompt_ids(fmt: ChatFormat, tokenizer, user_text: str, insert: str = "") -> list[int]:

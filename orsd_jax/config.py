@@ -82,6 +82,9 @@ class TrainConfig:
     advantage: AdvantageConfig = AdvantageConfig()
     minibatch_rows: int = 16  # step samples per optimizer step; an update takes as many as it needs
     replay: str = "two-stream"  # the replay's batch layout (orsd_jax.batch.LAYOUTS), chosen in docs/benchmarks.md
+    # Rows of the replay hold several step samples each (orsd_jax.batch, pack=True): the same loss
+    # with fewer padding slots (docs/benchmarks.md, "Rows of several samples").
+    pack_rows: bool = True
     # The PPO ratio's old log-probs: the sampler's as recorded ("sampler"), or the trainer's own at
     # the rollout's parameters, one forward per minibatch before the update ("trainer": verl's
     # recomputed old_log_prob; needed by LossConfig.tis_cap). They agree to 1e-5 in float32 and

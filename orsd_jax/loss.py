@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from orsd_jax.advantages import orsd_token_advantages
-from orsd_jax.batch import Batch, tree_attention_mask
+from orsd_jax.batch import Batch, rubric_attention_mask, tree_attention_mask
 from orsd_jax.models import CausalLM
 from orsd_jax.models.decoder import KVCache
 
@@ -70,24 +70,35 @@ def response_logprobs(
     uses ``logp_without`` there), and ``None`` when ``with_rubric`` is off (the with-rubric LM head,
     and in the two-stream layout the whole with-rubric stream, are then skipped).
     """
-    mask = tree_attention_mask(batch.branch)
+    mask = tree_attention_mask(batch.branch, batch.segment)
     keys_values = batch.two_stream and with_rubric
     hidden, prefix = model.hidden_states(
         batch.tokens, batch.positions, mask=mask, frozen=batch.frozen, keys_values=keys_values
     )
     options = dict(temperature=temperature, chunk_size=chunk_size)
-    logp_without, entropy = logprobs_at(model, hidden, batch.without_index, batch.response, with_entropy=True, **options)
+    logp_without, entropy = _slot_logprobs(model, hidden, batch.without_index, batch.response, with_entropy=True, **options)
     if not with_rubric:
         return None, logp_without, entropy
     if keys_values:
-        # The with-rubric stream reads the prefix's keys and values from a cache whose slots are
-        # positions, with the policy's parameters under stop-gradient: no backward pass over it.
+        # The with-rubric stream reads its prefix's keys and values from a cache holding the row's
+        # in slots [0, T) and its own in [T, T + U), with the policy's parameters under
+        # stop-gradient: no backward pass over it.
         model = without_gradient(model)
-        slots = ((0, 0), (0, 0), (0, batch.rubric_tokens.shape[1]), (0, 0), (0, 0))  # [L, B, T + U, K, H]
-        cache = KVCache(*(jnp.pad(x, slots) for x in prefix))
-        hidden, _ = model.hidden_states(batch.rubric_tokens, batch.rubric_positions, cache=cache)
-    logp_with, _ = logprobs_at(model, hidden, batch.with_index, batch.response, **options)
+        t, u = batch.tokens.shape[1], batch.rubric_tokens.shape[1]
+        cache = KVCache(*(jnp.pad(x, ((0, 0), (0, 0), (0, u), (0, 0), (0, 0))) for x in prefix))  # [L, R, T + U, K, H]
+        slots = jnp.broadcast_to(t + jnp.arange(u, dtype=jnp.int32), batch.rubric_tokens.shape)
+        hidden, _ = model.hidden_states(batch.rubric_tokens, batch.rubric_positions, mask=rubric_attention_mask(batch),
+                                        cache=cache, slots=slots)  # fmt: skip
+    logp_with, _ = _slot_logprobs(model, hidden, batch.with_index, batch.response, **options)
     return jax.lax.stop_gradient(logp_with), logp_without, entropy
+
+
+def _slot_logprobs(model: CausalLM, hidden: jax.Array, index: jax.Array, targets: jax.Array, **options):
+    """``logprobs_at`` for sample slots ``[B, Y]`` over rows ``hidden [R, T, D]``, ``B = R x K``
+    row-major (``orsd_jax.batch``)."""
+    (r, b), y = (hidden.shape[0], index.shape[0]), index.shape[1]
+    logp, entropy = logprobs_at(model, hidden, index.reshape(r, b // r * y), targets.reshape(r, b // r * y), **options)
+    return logp.reshape(b, y), None if entropy is None else entropy.reshape(b, y)
 
 
 def without_gradient(model: CausalLM) -> CausalLM:

@@ -153,13 +153,15 @@ def loss_and_grads(
     the loss's ``[B, ...]`` arrays, rows in batch order). ``reference``: frozen parameters of the
     same graph, handed to the loss as a model (no gradient flows into them).
 
-    ``batch`` is a ``Batch`` or any pytree of arrays with rows on their leading axis.
+    ``batch`` is a ``Batch`` or any pytree of arrays with rows on their leading axis; an array
+    whose leading axis is ``K`` times the row count holds ``K`` row-major sample slots per row
+    (a ``Batch`` of several samples per row, ``orsd_jax.batch``).
 
-    The batch is cut into ``micro_batches`` interleaved slices (rows ``m, m + M, ...``), so each
-    slice keeps rows from every device's shard; gradients of the loss *sums* are accumulated in
-    float32 by a ``lax.scan`` and divided by the total token count once.
+    The batch is cut into ``micro_batches`` interleaved slices (rows ``m, m + M, ...`` with their
+    slots), so each slice keeps rows from every device's shard; gradients of the loss *sums* are
+    accumulated in float32 by a ``lax.scan`` and divided by the total token count once.
     """
-    b = jax.tree.leaves(batch)[0].shape[0]
+    b = min(x.shape[0] for x in jax.tree.leaves(batch))
     if b % micro_batches:
         raise ValueError(f"{b} rows do not split into {micro_batches} micro-batches")
 
@@ -173,11 +175,15 @@ def loss_and_grads(
         (loss_sum, (count, sums, rows)), grads = jax.value_and_grad(f, has_aux=True)(params)
         return (grads, {"loss": loss_sum, "tokens": count, **sums}), rows
 
-    def split(x):  # [B, ...] -> [M, B / M, ...], micro-batch m = rows m, m + M, ...
-        return x.reshape(b // micro_batches, micro_batches, *x.shape[1:]).swapaxes(0, 1)
+    def split(x):  # [B K, ...] -> [M, B / M K, ...], micro-batch m = rows m, m + M, ... and their K slots
+        k = x.shape[0] // b
+        x = x.reshape(b // micro_batches, micro_batches, k, *x.shape[1:]).swapaxes(0, 1)
+        return x.reshape(micro_batches, b // micro_batches * k, *x.shape[3:])
 
     def unsplit(x):  # the inverse of split
-        return x.swapaxes(0, 1).reshape(b, *x.shape[2:])
+        k = x.shape[1] // (b // micro_batches)
+        x = x.reshape(micro_batches, b // micro_batches, k, *x.shape[2:]).swapaxes(0, 1)
+        return x.reshape(b * k, *x.shape[3:])
 
     def body(carry, micro):
         summed, rows = sums_and_grads(micro)

@@ -330,7 +330,8 @@ def train_minibatches(
             sampler = batch.old_logp if batch.sampler_logp is None else batch.sampler_logp
             mismatch = logprob_mismatch(np.asarray(values["logp_without"]), sampler, batch.response_mask)
         if record and epoch == 0:
-            recorded.append((rows, {k: np.asarray(v) for k, v in values.items()}, batch.response_mask))
+            slots = batch.sample_slots()
+            recorded.append((rows, {k: np.asarray(v)[slots] for k, v in values.items()}, batch.response_mask[slots]))
         step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
         for k, v in step_metrics.items():
             if k.startswith("sum/"):
@@ -344,7 +345,13 @@ def train_minibatches(
 
 
 def minibatch(samples: Sequence[StepSample], config: TrainConfig):
-    """The step samples of one optimizer step as a batch in the run's replay layout."""
+    """The step samples of one optimizer step as a batch in the run's replay layout: rows of
+    several samples (``config.pack_rows``; as many rows as they fill, a multiple of the devices x
+    micro-batches), or one per row (``minibatch_rows`` rows)."""
+    if config.pack_rows:
+        multiple = (config.devices or jax.device_count()) * config.micro_batches
+        return build_batch(samples, seq_multiple=128, response_multiple=32, batch_multiple=multiple, layout=config.replay,
+                           pack=True)  # fmt: skip
     return build_batch(samples, seq_multiple=128, response_multiple=32, batch_multiple=config.minibatch_rows, layout=config.replay)
 
 
@@ -365,7 +372,8 @@ def with_trainer_logprobs(forward, params, samples: Sequence[StepSample], config
     out = []
     for start in range(0, len(samples), config.minibatch_rows):
         chunk = samples[start : start + config.minibatch_rows]
-        logp = np.asarray(forward(params, minibatch([dataclasses.replace(s, insert=()) for s in chunk], config)))
+        batch = minibatch([dataclasses.replace(s, insert=()) for s in chunk], config)
+        logp = np.asarray(forward(params, batch))[batch.sample_slots()]
         out += [dataclasses.replace(s, old_logprobs=logp[i, : len(s.response)].tolist(), sampler_logprobs=s.old_logprobs)
                 for i, s in enumerate(chunk)]  # fmt: skip
     return out

@@ -137,7 +137,7 @@ def frozen_states(graphdef, params, samples: Sequence[StepSample], batch_size: i
     @jax.jit
     def run(params, batch: Batch) -> jax.Array:
         model = nnx.merge(graphdef, params)
-        return model.frozen_states(batch.tokens, batch.positions, mask=tree_attention_mask(batch.branch))
+        return model.frozen_states(batch.tokens, batch.positions, mask=tree_attention_mask(batch.branch, batch.segment))
 
     out: list[np.ndarray] = [np.empty(0)] * len(samples)
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].prefix) + len(samples[i].response))

@@ -22,7 +22,7 @@ from test_loss import LOSS, make_samples, max_tree_diff, tiny_model  # noqa: E40
 STEPS, MICRO_BATCHES = 2, 2
 
 
-def run(mesh, fsdp: bool, layout: str = "packed"):
+def run(mesh, fsdp: bool, layout: str = "packed", pack: bool = False):
     graphdef, params = tiny_model()
     # Clipping then SGD with momentum: the update is linear in the gradients (Adam's is close to
     # their sign, which would hide differences), and the momentum is param-shaped state to shard.
@@ -30,7 +30,7 @@ def run(mesh, fsdp: bool, layout: str = "packed"):
     graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, mesh, fsdp)
     step = make_train_step(OrsdLoss(LOSS), optimizer, graphdef, sharding)
     batch = build_batch(make_samples((True, False, True, True, False, True, False, True)), seq_multiple=16,
-                        batch_multiple=4 * MICRO_BATCHES, layout=layout)  # fmt: skip
+                        batch_multiple=4 * MICRO_BATCHES, layout=layout, pack=pack)  # fmt: skip
     metrics = []
     for _ in range(STEPS):
         state, m, _ = step(state, batch, MICRO_BATCHES)
@@ -44,8 +44,10 @@ def main():
     single, single_metrics, _, _ = run(make_mesh(1), fsdp=False)
     out = {"single_loss": [m["loss"] for m in single_metrics]}
     # The two-stream layout on 4 devices against the packed one on 1: the same step.
-    for name, fsdp, layout in [("replicated", False, "packed"), ("fsdp", True, "packed"), ("two-stream", True, "two-stream")]:
-        params, metrics, specs, steps = run(make_mesh(4), fsdp, layout)
+    cases = [("replicated", False, "packed", False), ("fsdp", True, "packed", False), ("two-stream", True, "two-stream", False),
+             ("packed rows", True, "two-stream", True)]  # fmt: skip
+    for name, fsdp, layout, pack in cases:
+        params, metrics, specs, steps = run(make_mesh(4), fsdp, layout, pack)
         out[name] = {
             "param_diff": max_tree_diff(params, single),
             # Relative above 1: the raw loss sums (sum/*) run to hundreds.

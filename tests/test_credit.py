@@ -98,11 +98,13 @@ def test_recorded_credit_matches_the_run(run):
             assert not s.values["gap"].any()
 
 
-def test_update_metrics_are_exact_over_minibatches(tmp_path):
+@pytest.mark.parametrize("pack_rows", [False, True])
+def test_update_metrics_are_exact_over_minibatches(tmp_path, pack_rows):
     """The trainer's minibatch loop: the logged gap statistics of an update equal those of the
     recorded per-token values over all its minibatches, whose rubric shares differ."""
     graphdef, params = tiny_model()
-    config = dataclasses.replace(preset("tiny"), minibatch_rows=2, loss=LossConfig(coef=0.8, clip=0.2, chunk_size=4))
+    config = dataclasses.replace(preset("tiny"), minibatch_rows=2, loss=LossConfig(coef=0.8, clip=0.2, chunk_size=4),
+                                 pack_rows=pack_rows)  # fmt: skip
     optimizer = make_optimizer(config.optimizer)
     graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(config.loss), optimizer, graphdef, sharding)
@@ -114,8 +116,10 @@ def test_update_metrics_are_exact_over_minibatches(tmp_path):
     # layout, the default): [prefix tail response] and, with a rubric, [rubric tail response].
     without = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
     rubric = [len(s.insert) + len(s.tail) + len(s.response) if s.insert else 0 for s in samples]
-    # Each stream of a minibatch of 2 rows is padded to a multiple of 128 tokens.
-    slots = sum(2 * -(-max(stream[k : k + 2] + [1]) // 128) * 128 for stream in (without, rubric) for k in range(0, 6, 2))
+    # Each stream of a minibatch of 2 rows is padded to a multiple of 128 tokens; rows of several
+    # samples (pack_rows) hold both samples of a minibatch in one row here.
+    rows = 1 if pack_rows else 2
+    slots = sum(rows * -(-max(stream[k : k + 2] + [1]) // 128) * 128 for stream in (without, rubric) for k in range(0, 6, 2))
     assert counts["row_tokens"] == sum(without) + sum(rubric) and counts["row_slots"] == slots
     gaps = np.concatenate([
         values["gap"][i, : len(samples[r].response)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from orsd_jax.batch import LAYOUTS, PAD, SHARED, WITH, WITHOUT, StepSample, build_batch, tree_attention_mask
+from orsd_jax.batch import LAYOUTS, PAD, SHARED, WITH, WITHOUT, StepSample, build_batch, rubric_attention_mask, tree_attention_mask
 from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss
 from orsd_jax.models import CausalLM, ModelConfig
 
@@ -302,6 +302,42 @@ def test_one_packed_forward_equals_two_forwards(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_of_several_samples_equal_two_forwards(layout):
+    """``pack=True`` puts several samples in a row, each attending only to itself: the loss and
+    gradients are still the independent objective's."""
+    samples, reference = reference_case()
+    batch = build_batch(samples, seq_multiple=16, response_multiple=4, layout=layout, pack=True)
+    rows, slots = batch.tokens.shape[0], batch.response.shape[0]
+    assert rows < len(samples) and slots % rows == 0 and slots // rows > 1  # it did pack
+    assert sorted(batch.sample[batch.sample >= 0]) == list(range(len(samples)))
+    loss, grads = packed_value_and_grad(batch, LOSS)
+    expected_loss, expected_grads = reference(tiny_model()[1], LOSS.coef)
+    np.testing.assert_allclose(float(loss), float(expected_loss), atol=1e-5, rtol=0)
+    assert_trees_close(grads, expected_grads)
+
+
+def test_packed_rows_by_hand():
+    """First fit by decreasing length: the two short samples share a row, in slots 0 and 1."""
+    long = StepSample(prefix=[1, 2, 3, 4], insert=[9], tail=[5], response=[6, 7], old_logprobs=[-1.0, -1.0], advantage=1.0)
+    short = [StepSample(prefix=[10 + i], tail=[20 + i], response=[30 + i], old_logprobs=[-2.0], advantage=-1.0,
+                        insert=[40 + i] if i else ()) for i in range(2)]  # fmt: skip
+    b = build_batch([short[0], long, short[1]], seq_multiple=8, response_multiple=2, layout="two-stream", pack=True)
+    np.testing.assert_array_equal(b.tokens, [[1, 2, 3, 4, 5, 6, 7, 0], [10, 20, 30, 11, 21, 31, 0, 0]])
+    np.testing.assert_array_equal(b.positions[1], [0, 1, 2, 0, 1, 2, 0, 0])
+    np.testing.assert_array_equal(b.segment, [[0] * 7 + [-1], [0, 0, 0, 1, 1, 1, -1, -1]])
+    np.testing.assert_array_equal(b.sample, [1, -1, 0, 2])  # slots: row-major, 2 per row
+    np.testing.assert_array_equal(b.sample_slots(), [2, 0, 3])
+    np.testing.assert_array_equal(b.without_index[[2, 3], 0], [1, 4])  # 30 follows 20; 31 follows 21
+    np.testing.assert_array_equal(b.rubric_tokens[1], [41, 21, 31, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(b.rubric_segment[1], [1, 1, 1, -1, -1, -1, -1, -1])
+    np.testing.assert_array_equal(b.with_index[3, 0], 1)  # 31 follows 21 in the rubric stream
+    mask = np.asarray(tree_attention_mask(jnp.asarray(b.branch), jnp.asarray(b.segment)))[1].astype(int)
+    assert mask[4].tolist() == [0, 0, 0, 1, 1, 0, 0, 0]  # sample 2 sees only its own tokens
+    seen = np.asarray(rubric_attention_mask(b))[1].astype(int)
+    assert seen[1].tolist() == [0, 0, 0, 1, 0, 0, 0, 0] + [1, 1, 0, 0, 0, 0, 0, 0]  # its prefix (slot 3) and itself
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_frozen_bottom_layers_equal_two_forwards(layout):
     """With the embedding and the first layer frozen (``ModelConfig.frozen_layers``, as cpu-demo),
     the loss is the independent objective's and the trained parameters' gradients are its
@@ -340,10 +376,16 @@ def test_two_stream_layout_by_hand():
     np.testing.assert_array_equal(b.positions[0], [0, 1, 2, 3, 4, 0, 0, 0])
     np.testing.assert_array_equal(b.branch[:2], [[0, 0, 2, 2, 2, -1, -1, -1], [0, 2, 2, 2, 2, 2, -1, -1]])
     np.testing.assert_array_equal(b.without_index[:2], [[2, 3, 0, 0], [2, 3, 4, 0]])
-    # The with-rubric stream continues the prefix at position 2; its padding sits at slot 8.
+    # The with-rubric stream continues the prefix at position 2.
     np.testing.assert_array_equal(b.rubric_tokens[0], [21, 22, 23, 31, 41, 42, 0, 0])
-    np.testing.assert_array_equal(b.rubric_positions[0], [2, 3, 4, 5, 6, 7, 8, 8])
+    np.testing.assert_array_equal(b.rubric_positions[0], [2, 3, 4, 5, 6, 7, 0, 0])
     np.testing.assert_array_equal(b.rubric_branch[0], [1] * 6 + [-1] * 2)
+    np.testing.assert_array_equal(b.rubric_segment[0], [0] * 6 + [-1] * 2)
+    np.testing.assert_array_equal(b.sample, [0, 1, -1, -1])
+    # It sees its prefix (cache slots 0-1) and itself (slots 8 + its index), causally.
+    seen = np.asarray(rubric_attention_mask(b))[0].astype(int)
+    np.testing.assert_array_equal(seen[2], [1, 1, 0, 0, 0, 0, 0, 0] + [1, 1, 1, 0, 0, 0, 0, 0])
+    assert not seen[6:].any() and not np.asarray(rubric_attention_mask(b))[1].any()
     np.testing.assert_array_equal(b.with_index[0], [3, 4, 0, 0])  # 41 follows 31 (index 3), 42 follows 41
     assert (b.rubric_branch[1:] == PAD).all()  # no rubric, no stream
     # Read: prefix + tail + response twice, the rubric once; slots with their padding.

@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import optax
 from jax.sharding import AxisType, PartitionSpec as P
 
@@ -27,10 +28,13 @@ def _loss_and_grads(params, batch, micro_batches):
     return loss_and_grads(OrsdLoss(LOSS), tiny_model()[0], params, batch, micro_batches)
 
 
-def test_four_micro_batches_equal_one_batch():
-    # Eight samples of different response lengths: a mean of micro-batch means would differ.
+@pytest.mark.parametrize("layout, pack", [("packed", False), ("two-stream", True)])
+def test_four_micro_batches_equal_one_batch(layout, pack):
+    # Eight samples of different response lengths: a mean of micro-batch means would differ. With
+    # ``pack`` rows hold several samples, and a micro-batch takes its rows' sample slots along.
     samples = make_samples((True, False, True, True, False, True, False, True), seed=1)
-    batch = build_batch(samples, seq_multiple=16, batch_multiple=4)
+    batch = build_batch(samples, seq_multiple=16, batch_multiple=4, layout=layout, pack=pack)
+    assert (batch.response.shape[0] > batch.tokens.shape[0]) == pack
     params = tiny_model()[1]
     grads, loss, metrics, values = _loss_and_grads(params, batch, 1)
     grads4, loss4, metrics4, values4 = _loss_and_grads(params, batch, 4)
@@ -84,7 +88,7 @@ def test_sharded_step_equals_single_device():
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(np.isfinite(out["single_loss"]))
-    for name in ("replicated", "fsdp", "two-stream"):
+    for name in ("replicated", "fsdp", "two-stream", "packed rows"):
         assert out[name]["steps"] == 2
         assert out[name]["param_diff"] < 1e-5, (name, out[name]["param_diff"])
         assert out[name]["metric_diff"] < 1e-5, (name, out[name]["metric_diff"])

@@ -140,7 +140,8 @@ class ModelConfig:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer, written at slot = token position: k, v ``[L, B, S, K, H]``."""
+    """Keys and values of every layer, k, v ``[L, B, S, K, H]``, written at slot = token position
+    unless ``hidden_states`` is given other slots."""
 
     k: jax.Array
     v: jax.Array
@@ -231,10 +232,11 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, config.rms_norm_eps, dtype)
         self.config = config
 
-    def __call__(self, x, positions, mask, cache: tuple[jax.Array, jax.Array] | None):
+    def __call__(self, x, positions, mask, cache: tuple[jax.Array, jax.Array] | None, slots=None):
         """x ``[B, T, D]`` -> ``(out [B, T, D], (k, v))``: with ``cache`` (k, v ``[B, S, K, H]``) the
-        keys are written at their positions and the updated cache comes back; without, this call's
-        own keys and values ``[B, T, K, H]`` (the two-stream replay attends to a prefix's)."""
+        keys are written at ``slots`` (default: their positions) and the updated cache comes back;
+        without, this call's own keys and values ``[B, T, K, H]`` (the two-stream replay attends to
+        a prefix's)."""
         dt = x.dtype
         q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x, self.k[...].astype(dt))
@@ -244,9 +246,9 @@ class Attention(nnx.Module):
         q = rotary(q, positions, self.config.rope_theta)
         k = rotary(k, positions, self.config.rope_theta)
         if cache is not None:
-            rows = jnp.arange(x.shape[0])[:, None]
-            k = cache[0].at[rows, positions].set(k.astype(cache[0].dtype))
-            v = cache[1].at[rows, positions].set(v.astype(cache[1].dtype))
+            rows, slots = jnp.arange(x.shape[0])[:, None], positions if slots is None else slots
+            k = cache[0].at[rows, slots].set(k.astype(cache[0].dtype))
+            v = cache[1].at[rows, slots].set(v.astype(cache[1].dtype))
         out = attend(q, k.astype(dt), v.astype(dt), mask, causal=cache is None)
         return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), (k, v)
 
@@ -275,8 +277,8 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, positions, mask, cache=None):
-        attn_out, cache = self.attn(self.attn_norm(x), positions, mask, cache)
+    def __call__(self, x, positions, mask, cache=None, slots=None):
+        attn_out, cache = self.attn(self.attn_norm(x), positions, mask, cache, slots)
         x = x + attn_out
         return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -319,6 +321,7 @@ class CausalLM(nnx.Module):
         *,
         mask: jax.Array | None = None,
         cache: KVCache | None = None,
+        slots: jax.Array | None = None,
         frozen: jax.Array | None = None,
         keys_values: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
@@ -326,6 +329,7 @@ class CausalLM(nnx.Module):
         cache, ``keys_values`` returns every layer's keys and values of these tokens instead (a
         ``KVCache`` of ``[L, B, T, K, H]``, under stop-gradient), else ``None``.
 
+        ``slots [B, T]``: where a cache receives these tokens' keys (default: their positions).
         ``mask bool[B, T, S]`` overrides the default (causal within ``segment_ids``; with a cache:
         every slot at or before the query's position); without a cache it must never let a token
         see a later one (``attend`` skips those keys). ``frozen [B, T, D]``: ``frozen_states`` of
@@ -335,7 +339,7 @@ class CausalLM(nnx.Module):
         positions, mask = self._positions_and_mask(input_ids, positions, segment_ids, mask, cache)
         k = self.config.frozen_layers
         if cache is not None:
-            x, new_cache = self._layers(self._embed(input_ids), positions, mask, slice(None), tuple(cache))
+            x, new_cache = self._layers(self._embed(input_ids), positions, mask, slice(None), tuple(cache), slots=slots)
             return self.final_norm(x), KVCache(*new_cache)
         if keys_values:
             if frozen is not None:
@@ -380,7 +384,7 @@ class CausalLM(nnx.Module):
                 mask = segment_mask(jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids)
         return positions, mask
 
-    def _layers(self, x, positions, mask, layers: slice, cache=None, keys_values: bool = False):
+    def _layers(self, x, positions, mask, layers: slice, cache=None, keys_values: bool = False, slots=None):
         """Runs the stacked layers ``layers`` over ``x [B, T, D]`` with a scan; returns the output and
         the layers' updated cache slices, or (``keys_values``, no cache) their keys and values under
         stop-gradient, or ``None``."""
@@ -389,7 +393,7 @@ class CausalLM(nnx.Module):
 
         def body(h, layer_in):
             state, layer_cache = layer_in
-            h, kv = nnx.merge(graphdef, state)(h, positions, mask, layer_cache)
+            h, kv = nnx.merge(graphdef, state)(h, positions, mask, layer_cache, slots)
             if layer_cache is None:
                 kv = jax.lax.stop_gradient(kv) if keys_values else None
             return h, kv

@@ -59,7 +59,7 @@ from orsd_jax import chat
 from orsd_jax.rollout import Trajectory
 from orsd_jax.rubrics.render import render_trajectory
 
-VERIFIER_PROMPT_VERSION = 1
+VERIFIER_PROMPT_VERSION = 2  # 2: the trajectory between <trajectory> tags, written-out control tokens quoted
 _YES = {"yes", "y", "true", "1", "satisfied", "pass"}
 _NO = {"no", "n", "false", "0", "unsatisfied", "not satisfied", "fail"}
 _LINE_ANSWER = re.compile(r"(\d{1,2})\s*[\"']?\s*[.:)=-]\s*[\"']?\s*(yes|no|true|false)\b", re.I)
@@ -140,13 +140,34 @@ class VerifierStats:
         return (self.input_tokens * config.price_per_m_input + self.output_tokens * config.price_per_m_output) / 1e6
 
 
+# Chat control tokens as text (``<|im_end|>``, ``<|eot_id|>``): a remote server renders the
+# messages with its template and tokenizes special tokens in them, so text that names one could
+# end the verifier's turn. The local verifier encodes text as text anyway (``chat.encode``).
+_CONTROL = re.compile(r"<\|([^|<>\s]{1,40})\|>")
+_TRAJECTORY_TAG = re.compile(r"<\s*/?\s*trajectory\s*>", re.IGNORECASE)
+
+
+def _quoted(text: str) -> str:
+    """Model- or environment-written text made inert inside a verifier prompt: no control-token
+    strings and no trajectory delimiters, so an action cannot close the trajectory early and
+    speak to the verifier as the prompt (``tests/faults/test_model_output.py``)."""
+    return _TRAJECTORY_TAG.sub("", _CONTROL.sub(r"< |\1| >", text))
+
+
+def _attempt(task: str, trajectory_text: str) -> str:
+    return (
+        f"An agent attempted this task: {_quoted(task)}\n\n"
+        "What it saw and did, step by step:\n"
+        f"<trajectory>\n{_quoted(trajectory_text)}\n</trajectory>\n\n"
+    )
+
+
 def binary_prompt(task: str, trajectory_text: str, criteria: Sequence[str]) -> str:
-    numbered = "\n".join(f"{k}. {c}" for k, c in enumerate(criteria, start=1))
+    numbered = "\n".join(f"{k}. {_quoted(c)}" for k, c in enumerate(criteria, start=1))
     example = ", ".join(f'"{k}": "yes"' if k % 2 else f'"{k}": "no"' for k in range(1, min(len(criteria), 3) + 1))
     return (
-        f"An agent attempted this task: {task}\n\n"
-        f"What it saw and did, step by step:\n{trajectory_text}\n\n"
-        f"Criteria:\n{numbered}\n\n"
+        _attempt(task, trajectory_text)
+        + f"Criteria:\n{numbered}\n\n"
         "For each criterion, judge whether the attempt satisfies it. Reply with only a JSON object that "
         f"maps every criterion number to \"yes\" or \"no\", for example {{{example}}}."
     )
@@ -154,9 +175,8 @@ def binary_prompt(task: str, trajectory_text: str, criteria: Sequence[str]) -> s
 
 def criterion_prompt(task: str, trajectory_text: str, criterion: str) -> str:
     return (
-        f"An agent attempted this task: {task}\n\n"
-        f"What it saw and did, step by step:\n{trajectory_text}\n\n"
-        f"Criterion: {criterion}\n"
+        _attempt(task, trajectory_text)
+        + f"Criterion: {_quoted(criterion)}\n"
         "Does the attempt satisfy the criterion? Answer with one word: yes or no."
     )
 
