@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import psutil
 import pytest
 from safetensors.numpy import load_file
 
@@ -135,6 +136,49 @@ def test_exact_resume_after_sigkill(reference, tmp_path):
     assert [r["update"] for r in got] == [1, 2, 3, 4, 4]
     for a, b in zip(got, want):
         assert _without_timing(a) == pytest.approx(_without_timing(b), rel=1e-6, abs=1e-7, nan_ok=True), a["update"]
+    for name, tensor in load_file(reference / "policy" / "model.safetensors").items():
+        np.testing.assert_array_equal(load_file(out / "policy" / "model.safetensors")[name], tensor, err_msg=name)
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, out: pathlib.Path, update: int) -> None:
+    deadline = time.time() + 600
+    while not (out / "checkpoints" / str(update)).is_dir():  # Orbax renames a checkpoint into place when complete
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, f"no checkpoint {update} within 10 minutes"
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    """``sig`` to the run; it exits within 30 s and leaves none of its processes behind."""
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children  # environment workers (and their resource tracker)
+    proc.send_signal(sig)
+    start = time.time()
+    proc.wait(timeout=30)
+    assert time.time() - start < 30
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+def test_sigterm_and_sigint_stop_cleanly_and_resume_exactly(reference, tmp_path):
+    out = tmp_path / "stopped"
+    proc = _start(out)
+    _wait_for_checkpoint(proc, out, 1)
+    _stop(proc, signal.SIGTERM)
+    proc = _start(out, "--resume")
+    _wait_for_checkpoint(proc, out, 3)
+    _stop(proc, signal.SIGINT)
+    resumed = _start(out, "--resume")
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    got, want = _metrics(out), _metrics(reference)
+    assert [r["update"] for r in got][-1] == 4 and sorted({r["update"] for r in got}) == [1, 2, 3, 4]
+    # An update redone after a stop is logged again: the last record of each kind (an update's,
+    # the final evaluation's) counts.
+    last = {(r["update"], frozenset(r)): r for r in got}
+    for b in want:
+        a = last[b["update"], frozenset(b)]
+        assert _without_timing(a) == pytest.approx(_without_timing(b), rel=1e-6, abs=1e-7, nan_ok=True), b["update"]
     for name, tensor in load_file(reference / "policy" / "model.safetensors").items():
         np.testing.assert_array_equal(load_file(out / "policy" / "model.safetensors")[name], tensor, err_msg=name)
 

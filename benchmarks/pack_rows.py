@@ -1,0 +1,87 @@
+"""One update's training stage with rows of one sample and rows of several (``TrainConfig.pack_rows``).
+
+Usage: python -m benchmarks.pack_rows [--samples 117] [--method grpo|orsd] [--reps 3]
+
+The cpu-demo preset's training stage (embedded model, 26 of 30 layers frozen, minibatches of 16
+step samples, the two-stream replay) over step samples shaped like an ALFWorld update's: prompts
+whose history grows from step to step (``--prompt-min`` to ``--prompt-max`` user-text tokens,
+uniform), responses of 16-48 tokens, and with ``--method orsd`` a rubric of 100-160 tokens on
+every sample. Each configuration runs one warm-up update (its compilations, reported apart) and
+then ``--reps`` timed updates, interleaved; the table gives medians, the padded slots the forwards
+computed and the fill (tokens / slots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from orsd_jax import chat
+from orsd_jax.batch import StepSample
+from orsd_jax.config import preset
+from orsd_jax.loss import OrsdLoss
+from orsd_jax.models import EMBEDDED, load_model
+from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
+from orsd_jax.trainer import train_minibatches
+
+
+def step_samples(args, tokenizer, vocab: int) -> list[StepSample]:
+    fmt = chat.chat_format(tokenizer)
+    rng = np.random.RandomState(0)
+    out = []
+    for _ in range(args.samples):
+        y = int(rng.randint(16, 49))
+        out.append(StepSample(
+            prefix=[*fmt.head, *rng.randint(0, vocab, rng.randint(args.prompt_min, args.prompt_max + 1)).tolist()],
+            insert=rng.randint(0, vocab, rng.randint(100, 161)).tolist() if args.method == "orsd" else (),
+            tail=list(fmt.tail),
+            response=rng.randint(0, vocab, y).tolist(),
+            old_logprobs=(-2.0 + 0.1 * rng.randn(y)).tolist(),
+            advantage=float(rng.randn()),
+        ))  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=117, help="step samples of the update (cpu-study's 4 x 4 episodes: about 117)")
+    parser.add_argument("--method", choices=["grpo", "orsd"], default="grpo")
+    parser.add_argument("--prompt-min", type=int, default=150)
+    parser.add_argument("--prompt-max", type=int, default=600)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+
+    base = dataclasses.replace(preset("cpu-demo"), method=args.method).resolved()
+    model, tokenizer = load_model(EMBEDDED, remat=base.model.remat, frozen_layers=base.model.frozen_layers)
+    samples = step_samples(args, tokenizer, model.config.vocab_size)
+    optimizer = make_optimizer(base.optimizer, frozen_layers=base.model.frozen_layers)
+    graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
+    step = make_train_step(OrsdLoss(base.loss), optimizer, graphdef, sharding)
+    order = [np.random.RandomState(1).permutation(len(samples))]
+    configs = {name: dataclasses.replace(base, pack_rows=pack) for name, pack in (("one per row", False), ("packed rows", True))}
+    runs = {name: {"times": []} for name in configs}
+    for _ in range(1 + args.reps):
+        for name, config in configs.items():
+            start = time.perf_counter()
+            state, metrics, counts, _ = train_minibatches(step, state, samples, order, config, record=False)
+            jax.block_until_ready(state)
+            runs[name]["times"].append(time.perf_counter() - start)
+            runs[name]["counts"] = counts
+    print(f"{args.samples} step samples ({args.method}), prompts {args.prompt_min}-{args.prompt_max} tokens, "
+          f"{jax.device_count()} device(s), medians of {args.reps}")  # fmt: skip
+    print(f"{'rows':<14}{'first (compiles)':>18}{'update':>10}{'slots':>10}{'fill':>7}")
+    for name, run in runs.items():
+        c = run["counts"]
+        print(f"{name:<14}{run['times'][0]:>17.1f}s{statistics.median(run['times'][1:]):>9.1f}s"
+              f"{c['row_slots']:>10}{c['row_tokens'] / c['row_slots']:>7.0%}")  # fmt: skip
+    one, packed = (statistics.median(runs[n]["times"][1:]) for n in configs)
+    print(f"packed rows: {one / packed:.2f}x one sample per row")
+
+
+if __name__ == "__main__":
+    main()
