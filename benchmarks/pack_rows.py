@@ -1,12 +1,13 @@
 """One update's training stage with rows of one sample and rows of several (``TrainConfig.pack_rows``).
 
-Usage: python -m benchmarks.pack_rows [--samples 117] [--method grpo|orsd] [--reps 3]
+Usage: python -m benchmarks.pack_rows [--samples 117] [--method grpo|orsd] [--reps 3] [--row-tokens 1024]
 
 The cpu-demo preset's training stage (embedded model, 26 of 30 layers frozen, minibatches of 16
 step samples, the two-stream replay) over step samples shaped like an ALFWorld update's: prompts
 whose history grows from step to step (``--prompt-min`` to ``--prompt-max`` user-text tokens,
 uniform), responses of 16-48 tokens, and with ``--method orsd`` a rubric of 100-160 tokens on
-every sample. Each configuration runs one warm-up update (its compilations, reported apart) and
+every sample. Rows of several samples are as long as the longest sample, or at least
+``--row-tokens`` (``TrainConfig.row_tokens``). Each configuration runs one warm-up update (its compilations, reported apart) and
 then ``--reps`` timed updates, interleaved; the table gives medians, the padded slots the forwards
 computed and the fill (tokens / slots).
 """
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--prompt-min", type=int, default=150)
     parser.add_argument("--prompt-max", type=int, default=600)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--row-tokens", type=int, default=1024)
     args = parser.parse_args()
 
     base = dataclasses.replace(preset("cpu-demo"), method=args.method).resolved()
@@ -63,7 +65,9 @@ def main() -> None:
     graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(base.loss), optimizer, graphdef, sharding)
     order = [np.random.RandomState(1).permutation(len(samples))]
-    configs = {name: dataclasses.replace(base, pack_rows=pack) for name, pack in (("one per row", False), ("packed rows", True))}
+    configs = {"one per row": dataclasses.replace(base, pack_rows=False),
+               "packed rows": dataclasses.replace(base, pack_rows=True, row_tokens=0),
+               f"packed, >= {args.row_tokens}": dataclasses.replace(base, pack_rows=True, row_tokens=args.row_tokens)}  # fmt: skip
     runs = {name: {"times": []} for name in configs}
     for _ in range(1 + args.reps):
         for name, config in configs.items():
@@ -74,13 +78,12 @@ def main() -> None:
             runs[name]["counts"] = counts
     print(f"{args.samples} step samples ({args.method}), prompts {args.prompt_min}-{args.prompt_max} tokens, "
           f"{jax.device_count()} device(s), medians of {args.reps}")  # fmt: skip
-    print(f"{'rows':<14}{'first (compiles)':>18}{'update':>10}{'slots':>10}{'fill':>7}")
+    print(f"{'rows':<20}{'first (compiles)':>18}{'update':>10}{'slots':>10}{'fill':>7}{'speed-up':>10}")
+    one = statistics.median(runs["one per row"]["times"][1:])
     for name, run in runs.items():
-        c = run["counts"]
-        print(f"{name:<14}{run['times'][0]:>17.1f}s{statistics.median(run['times'][1:]):>9.1f}s"
-              f"{c['row_slots']:>10}{c['row_tokens'] / c['row_slots']:>7.0%}")  # fmt: skip
-    one, packed = (statistics.median(runs[n]["times"][1:]) for n in configs)
-    print(f"packed rows: {one / packed:.2f}x one sample per row")
+        c, median = run["counts"], statistics.median(run["times"][1:])
+        print(f"{name:<20}{run['times'][0]:>17.1f}s{median:>9.1f}s{c['row_slots']:>10}{c['row_tokens'] / c['row_slots']:>7.0%}"
+              f"{one / median:>9.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -207,6 +207,7 @@ def build_batch(
     pad_id: int = 0,
     layout: str = "packed",
     pack: bool = False,
+    row_tokens: int = 0,
 ) -> Batch:
     """Packs step samples into a ``Batch`` of numpy arrays in ``layout`` (``LAYOUTS``, see the
     module docstring).
@@ -215,7 +216,8 @@ def build_batch(
     samples as fit in the longest sample's padded length (first fit by decreasing length), each
     a segment of its own, so fewer padding slots are computed; the sample slots (``B = rows x
     K``, K the most samples in a row) are row-major and ``Batch.sample`` says which input sample
-    each holds. Padding rows (to make the row count a multiple of ``batch_multiple``, e.g.
+    each holds; ``row_tokens`` makes packed rows at least that long, so that samples longer than
+    half the longest one can share rows too. Padding rows (to make the row count a multiple of ``batch_multiple``, e.g.
     devices x micro-batches) and empty slots have no tokens and no response mask, so they add
     nothing to any loss or count. Reference and sampler log-probs are kept when every sample has
     them and dropped (``None``) when none has.
@@ -233,8 +235,9 @@ def build_batch(
         raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
     two_stream = layout == "two-stream"
     segments = [(_two_streams if two_stream else _pack)(s) for s in samples]
-    t = _round_up(max(len(g.tokens) for g in segments), seq_multiple)
-    u = _round_up(max(1, *(len(g.rubric) for g in segments)), seq_multiple) if two_stream else 0
+    floor = row_tokens if pack else 0
+    t = _round_up(max(floor, *(len(g.tokens) for g in segments)), seq_multiple)
+    u = _round_up(max(1, floor * two_stream // 2, *(len(g.rubric) for g in segments)), seq_multiple) if two_stream else 0
     members = _rows(segments, t, u, pack)
     r = _round_up(len(members), batch_multiple)
     k = max(len(m) for m in members)

@@ -351,7 +351,7 @@ def minibatch(samples: Sequence[StepSample], config: TrainConfig):
     if config.pack_rows:
         multiple = (config.devices or jax.device_count()) * config.micro_batches
         return build_batch(samples, seq_multiple=128, response_multiple=32, batch_multiple=multiple, layout=config.replay,
-                           pack=True)  # fmt: skip
+                           pack=True, row_tokens=config.row_tokens)  # fmt: skip
     return build_batch(samples, seq_multiple=128, response_multiple=32, batch_multiple=config.minibatch_rows, layout=config.replay)
 
 

@@ -104,7 +104,7 @@ def test_update_metrics_are_exact_over_minibatches(tmp_path, pack_rows):
     recorded per-token values over all its minibatches, whose rubric shares differ."""
     graphdef, params = tiny_model()
     config = dataclasses.replace(preset("tiny"), minibatch_rows=2, loss=LossConfig(coef=0.8, clip=0.2, chunk_size=4),
-                                 pack_rows=pack_rows)  # fmt: skip
+                                 pack_rows=pack_rows, row_tokens=0)  # fmt: skip
     optimizer = make_optimizer(config.optimizer)
     graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(config.loss), optimizer, graphdef, sharding)

@@ -316,6 +316,16 @@ def test_rows_of_several_samples_equal_two_forwards(layout):
     assert_trees_close(grads, expected_grads)
 
 
+def test_row_tokens_let_long_samples_share_a_row():
+    samples = [StepSample(prefix=[1, 2, 3], insert=[7] * k, tail=[4], response=[5], old_logprobs=[-1.0], advantage=1.0)
+               for k in (2, 3)]  # fmt: skip
+    for layout in LAYOUTS:
+        alone = build_batch(samples, seq_multiple=4, layout=layout, pack=True)
+        shared = build_batch(samples, seq_multiple=4, layout=layout, pack=True, row_tokens=20)
+        assert alone.tokens.shape[0] == 2 and shared.tokens.shape == (1, 20)
+        assert build_batch(samples, seq_multiple=4, layout=layout, row_tokens=20).tokens.shape == alone.tokens.shape  # packing only
+
+
 def test_packed_rows_by_hand():
     """First fit by decreasing length: the two short samples share a row, in slots 0 and 1."""
     long = StepSample(prefix=[1, 2, 3, 4], insert=[9], tail=[5], response=[6, 7], old_logprobs=[-1.0, -1.0], advantage=1.0)
