@@ -90,7 +90,7 @@ class Batch:
     sampler_logp: jax.Array | None = None  # float32[B, Y]
     # [R, T, D]: the model's ``frozen_states`` of ``tokens``, computed once (the warm start's epochs).
     frozen: jax.Array | None = None
-    # The two-stream layout's with-rubric stream (None: the packed layout).
+    # The two-stream layout's with-rubric stream (None: the packed layout, or no sample has a rubric).
     rubric_tokens: jax.Array | None = None  # int32[R, U]
     rubric_positions: jax.Array | None = None  # int32[R, U]
     rubric_branch: jax.Array | None = None  # int32[R, U]: WITH or PAD
@@ -149,8 +149,8 @@ def _two_streams(s: StepSample) -> _Segment:
     tokens = [*s.prefix, *s.tail, *s.response]
     branch = [SHARED] * p + [WITHOUT] * (st + y)
     without_index = [p + st + j - 1 for j in range(y)]
-    if not r:
-        return _Segment(tokens, list(range(len(tokens))), branch, without_index, [0] * y)
+    if not r:  # read from the without-rubric stream, as the packed layout does (and then ignored)
+        return _Segment(tokens, list(range(len(tokens))), branch, without_index, without_index)
     rubric = [*s.insert, *s.tail, *s.response]
     with_index = [r + st + j - 1 for j in range(y)]
     return _Segment(tokens, list(range(len(tokens))), branch, without_index, with_index, rubric, list(range(p, p + len(rubric))))
@@ -233,11 +233,12 @@ def build_batch(
             raise ValueError(f"{name} must be given for every sample or for none")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
-    two_stream = layout == "two-stream"
-    segments = [(_two_streams if two_stream else _pack)(s) for s in samples]
+    segments = [(_two_streams if layout == "two-stream" else _pack)(s) for s in samples]
+    # Without any rubric the two layouts are one: no with-rubric stream is built or run.
+    two_stream = any(g.rubric for g in segments)
     floor = row_tokens if pack else 0
     t = _round_up(max(floor, *(len(g.tokens) for g in segments)), seq_multiple)
-    u = _round_up(max(1, floor * two_stream // 2, *(len(g.rubric) for g in segments)), seq_multiple) if two_stream else 0
+    u = _round_up(max(floor // 2, *(len(g.rubric) for g in segments)), seq_multiple) if two_stream else 0
     members = _rows(segments, t, u, pack)
     r = _round_up(len(members), batch_multiple)
     k = max(len(m) for m in members)

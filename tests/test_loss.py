@@ -398,6 +398,9 @@ def test_two_stream_layout_by_hand():
     assert not seen[6:].any() and not np.asarray(rubric_attention_mask(b))[1].any()
     np.testing.assert_array_equal(b.with_index[0], [3, 4, 0, 0])  # 41 follows 31 (index 3), 42 follows 41
     assert (b.rubric_branch[1:] == PAD).all()  # no rubric, no stream
+    # Without any rubric there is no with-rubric stream to build or run.
+    alone = build_batch([plain], seq_multiple=4, layout="two-stream")
+    assert not alone.two_stream and alone.token_counts() == (6, 8)
     # Read: prefix + tail + response twice, the rubric once; slots with their padding.
     assert b.token_counts() == (2 + 1 + 2 + 6 + 1 + 2 + 3, 4 * 8 + 4 * 8)
 
