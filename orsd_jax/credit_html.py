@@ -93,6 +93,12 @@ def _expert_mark(expert: bool | None) -> str:
     return ' <span class="expert">(expert step)</span>' if expert else ' <span class="detour">(not an expert step)</span>'
 
 
+# Every text on the page is the environment's or the model's: escaped, and should anything slip
+# through, no script, frame, form or remote resource runs or loads (``tests/test_credit.py``).
+_CSP = ("<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
+        "base-uri 'none'; form-action 'none'\">")  # fmt: skip
+
+
 def render(record: CreditRecord, clip: float, title: str = "") -> str:
     """The page for ``record``; ``clip`` is the loss's gap clip ``c`` (full colour at ``|gap| >= c``)."""
     legend = (f'<p class="legend">Token colour = log-likelihood gap with the rubric: '
@@ -106,5 +112,5 @@ def render(record: CreditRecord, clip: float, title: str = "") -> str:
         _group(g, group, [s for s in record.steps if s.group == g], clip)
         for g, group in enumerate(record.groups)
     ]
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{heading}</title><style>{_STYLE}</style></head>"
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\">{_CSP}<title>{heading}</title><style>{_STYLE}</style></head>"
             f"<body><h1>{heading}</h1>{legend}\n" + "\n".join(body) + "\n</body></html>\n")  # fmt: skip

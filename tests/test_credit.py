@@ -229,6 +229,27 @@ def test_html_report_in_headless_chromium(run, tmp_path, tokenizer):
     assert (pixels.sum(axis=2) < 200).sum() > 2000  # dark text was laid out, not a blank page
 
 
+HOSTILE = '</span></div><script>document.title="pwned"</script><img src=x onerror=alert(1)>" title="x'
+
+
+def test_hostile_text_renders_no_element(tmp_path):
+    """Model- and environment-written text in every field of the page stays text in Chromium's DOM,
+    and the page forbids scripts and remote loads."""
+    from orsd_jax.credit import CreditRecord, GroupRecord, StepCredit
+    from orsd_jax.credit_html import render
+
+    values = {k: np.array([0.5, -0.5]) for k in ("logp_with", "logp_without", "gap", "advantage", "corrected")}
+    values["gap_clipped"] = np.array([False, True])
+    step = StepCredit(0, 0, 0, HOSTILE, HOSTILE, HOSTILE, (1, 2), (HOSTILE, HOSTILE), True, 10.0, (HOSTILE,), values, True)
+    group = GroupRecord(HOSTILE, (10.0,), ((HOSTILE, HOSTILE), ()), (0.5, None), 0, HOSTILE)
+    page = tmp_path / "hostile.html"
+    page.write_text(render(CreditRecord(1, (group,), (step,)), clip=1.0, title=HOSTILE))
+    dom = rendered_dom(page)
+    assert "Content-Security-Policy" in page.read_text() and "default-src 'none'" in page.read_text()
+    assert "<script" not in dom and "<img" not in dom
+    assert dom.count("&lt;script&gt;") >= 6  # the text itself is shown
+
+
 def test_gap_colours():
     assert gap_colour(0.0, 1.0) == "rgba(37, 99, 235, 0.000)"
     assert gap_colour(0.5, 1.0) == "rgba(37, 99, 235, 0.375)"
