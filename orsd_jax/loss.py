@@ -76,7 +76,7 @@ def response_logprobs(
         batch.tokens, batch.positions, mask=mask, frozen=batch.frozen, keys_values=keys_values
     )
     options = dict(temperature=temperature, chunk_size=chunk_size)
-    logp_without, entropy = _slot_logprobs(model, hidden, batch.without_index, batch.response, with_entropy=True, **options)
+    logp_without, entropy = slot_logprobs(model, hidden, batch.without_index, batch.response, with_entropy=True, **options)
     if not with_rubric:
         return None, logp_without, entropy
     if keys_values:
@@ -89,11 +89,11 @@ def response_logprobs(
         slots = jnp.broadcast_to(t + jnp.arange(u, dtype=jnp.int32), batch.rubric_tokens.shape)
         hidden, _ = model.hidden_states(batch.rubric_tokens, batch.rubric_positions, mask=rubric_attention_mask(batch),
                                         cache=cache, slots=slots)  # fmt: skip
-    logp_with, _ = _slot_logprobs(model, hidden, batch.with_index, batch.response, **options)
+    logp_with, _ = slot_logprobs(model, hidden, batch.with_index, batch.response, **options)
     return jax.lax.stop_gradient(logp_with), logp_without, entropy
 
 
-def _slot_logprobs(model: CausalLM, hidden: jax.Array, index: jax.Array, targets: jax.Array, **options):
+def slot_logprobs(model: CausalLM, hidden: jax.Array, index: jax.Array, targets: jax.Array, **options):
     """``logprobs_at`` for sample slots ``[B, Y]`` over rows ``hidden [R, T, D]``, ``B = R x K``
     row-major (``orsd_jax.batch``)."""
     (r, b), y = (hidden.shape[0], index.shape[0]), index.shape[1]

@@ -14,7 +14,7 @@ useful per-token credit. The probe measures it on played episodes, forward passe
   ORSD applies to every step of every group with a rubric, whatever the action was.
 
 Scoring uses the training forward (``CausalLM.hidden_states`` under ``tree_attention_mask`` and
-``loss.logprobs_at``) on packed rows that share a prompt prefix among several branches: one
+``loss.slot_logprobs``) on packed rows that share a prompt prefix among several branches: one
 branch per source's rubric plus one without (a step), or one per admissible action (a state).
 """
 
@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from orsd_jax.batch import PAD, SHARED, tree_attention_mask
-from orsd_jax.loss import logprobs_at
+from orsd_jax.loss import slot_logprobs
 from orsd_jax.probe_stats import bootstrap_auc, within_state_auc
 
 OTHER, ACTION, FORMAT = 0, 1, 2  # token classes of an answer
@@ -101,8 +101,8 @@ def _branch_logprobs(graphdef, params, tokens, positions, branch, index, tempera
     model = nnx.merge(graphdef, params)
     hidden, _ = model.hidden_states(tokens, positions, mask=tree_attention_mask(branch))
     b, k, y = index.shape
-    logp, _ = logprobs_at(model, hidden, index.reshape(b, k * y), targets.reshape(b, k * y),
-                          temperature=temperature, chunk_size=chunk_size)  # fmt: skip
+    logp, _ = slot_logprobs(model, hidden, index.reshape(b * k, y), targets.reshape(b * k, y),
+                            temperature=temperature, chunk_size=chunk_size)  # fmt: skip
     return logp.reshape(b, k, y)
 
 

@@ -49,8 +49,8 @@ _nested = st.recursive(
 @settings(max_examples=200, deadline=None)
 def test_parsers_never_raise_on_nesting(opened, inside, closed):
     text = "[" * opened + inside + "]" * closed
-    parse_bundle(text)
-    parse_action(text, ["look", "search[<your query>]"])
+    bundle, action = parse_bundle(text), parse_action(text, ["look", "search[<your query>]"])
+    assert bundle.valid == (bundle.reason == "") and action.valid == (action.reason == "")
 
 
 @pytest.fixture(scope="module")
