@@ -49,8 +49,10 @@ def describe(games: list[dict]) -> str:
     steps = [g["steps"] for g in games]
     receptacles = [g["receptacles"] for g in games]
     by_type = " / ".join(f"{statistics.mean(g['steps'] for g in games if g['type'] == t):.1f}" for t in TASK_TYPES)
-    return (f"{statistics.mean(steps):.2f} | {by_type} | {statistics.mean(receptacles):.1f} "
-            f"({min(receptacles)}-{max(receptacles)}) | {statistics.mean(g['objects'] for g in games):.1f}")
+    return (
+        f"{statistics.mean(steps):.2f} | {by_type} | {statistics.mean(receptacles):.1f} "
+        f"({min(receptacles)}-{max(receptacles)}) | {statistics.mean(g['objects'] for g in games):.1f}"
+    )
 
 
 class Sequential:
@@ -107,8 +109,10 @@ def bench_stepping(difficulty: str, args) -> dict[str, float]:
 
 
 def report_generation(args) -> None:
-    print(f"| preset | generate {args.train} train + {args.unseen} unseen (2 workers) | walkthrough steps "
-          f"| by type ({' / '.join(TASK_TYPES)}) | receptacles (min-max) | objects |")
+    print(
+        f"| preset | generate {args.train} train + {args.unseen} unseen (2 workers) | walkthrough steps "
+        f"| by type ({' / '.join(TASK_TYPES)}) | receptacles (min-max) | objects |"
+    )
     print("|---|---:|---:|---|---:|---:|")
     for difficulty in args.difficulty:
         runs = [generation_run(difficulty, args.train, args.unseen, args.seed + r) for r in range(args.repeats)]
@@ -117,16 +121,20 @@ def report_generation(args) -> None:
 
 
 def report_stepping(args) -> None:
-    print(f"\n| preset | {args.envs} envs | sequential steps/s | concurrent steps/s | ratio "
-          "| sequential first reset | concurrent first reset | pool start |")
+    print(
+        f"\n| preset | {args.envs} envs | sequential steps/s | concurrent steps/s | ratio "
+        "| sequential first reset | concurrent first reset | pool start |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for difficulty in args.difficulty:
         r = bench_stepping(difficulty, args)
-        print(f"| {difficulty} | {args.envs // args.group} games x {args.group} "
-              f"| {r['sequential_steps_per_s']:.1f} | {r['concurrent_steps_per_s']:.1f} "
-              f"| {r['concurrent_steps_per_s'] / r['sequential_steps_per_s']:.2f}x "
-              f"| {r['sequential_reset_s']:.1f} s | {r['concurrent_reset_s']:.1f} s | {r['spawn_s']:.1f} s |",
-              flush=True)
+        print(
+            f"| {difficulty} | {args.envs // args.group} games x {args.group} "
+            f"| {r['sequential_steps_per_s']:.1f} | {r['concurrent_steps_per_s']:.1f} "
+            f"| {r['concurrent_steps_per_s'] / r['sequential_steps_per_s']:.2f}x "
+            f"| {r['sequential_reset_s']:.1f} s | {r['concurrent_reset_s']:.1f} s | {r['spawn_s']:.1f} s |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -145,8 +153,10 @@ def main() -> None:
     if args.envs % args.group:
         parser.error("--envs must be a multiple of --group")
     workers = args.workers or os.cpu_count()
-    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; EnvPool with {workers} workers; "
-          f"medians of {args.repeats} runs\n")
+    print(
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; EnvPool with {workers} workers; "
+        f"medians of {args.repeats} runs\n"
+    )
 
     if "generation" in args.parts:
         report_generation(args)

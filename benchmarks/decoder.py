@@ -50,24 +50,39 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 0.05)  # noqa: E731
 
-    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=D, intermediate_size=F, num_layers=1, num_heads=HEADS,
-                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)  # fmt: skip
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=D,
+        intermediate_size=F,
+        num_layers=1,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+    )
     graphdef, params = nnx.split(MLP(config, nnx.Rngs(0)))
     x = normal(b, t, D)
-    mlps = {"[B * T, D] rows (this build)": lambda p, x: nnx.merge(graphdef, p)(x),
-            "[B, T, D] arrays": lambda p, x: mlp_3d(nnx.merge(graphdef, p), x)}  # fmt: skip
+    mlps = {
+        "[B * T, D] rows (this build)": lambda p, x: nnx.merge(graphdef, p)(x),
+        "[B, T, D] arrays": lambda p, x: mlp_3d(nnx.merge(graphdef, p), x),
+    }
 
     branch = np.full((b, t), WITHOUT)
     branch[:, : t * 3 // 4], branch[:, t * 3 // 4 : t * 7 // 8] = SHARED, WITH
     mask = tree_attention_mask(jnp.asarray(branch))
     qkv = (normal(b, t, HEADS, HEAD_DIM), normal(b, t, KV_HEADS, HEAD_DIM), normal(b, t, KV_HEADS, HEAD_DIM))
-    attentions = {"query blocks (this build)": lambda a: attend(*a, mask, causal=True),
-                  "dense [T, T]": lambda a: attend(*a, mask)}  # fmt: skip
+    attentions = {
+        "query blocks (this build)": lambda a: attend(*a, mask, causal=True),
+        "dense [T, T]": lambda a: attend(*a, mask),
+    }
 
     cases = {}
     for name, f in mlps.items():
         cases["MLP", name, "forward"] = (jax.jit(lambda p, x, f=f: f(p, x).sum()), (params, x))
-        cases["MLP", name, "forward + gradient"] = (jax.jit(jax.grad(lambda p, x, f=f: f(p, x).sum(), argnums=(0, 1))), (params, x))
+        cases["MLP", name, "forward + gradient"] = (
+            jax.jit(jax.grad(lambda p, x, f=f: f(p, x).sum(), argnums=(0, 1))),
+            (params, x),
+        )
     for name, f in attentions.items():
         cases["attention", name, "forward"] = (jax.jit(lambda a, f=f: f(a).sum()), (qkv,))
         cases["attention", name, "forward + gradient"] = (jax.jit(jax.grad(lambda a, f=f: f(a).sum())), (qkv,))

@@ -33,12 +33,20 @@ from orsd_jax.trainer import logprob_mismatch
 
 def trainer_logprobs(model, prompts, completions, temperature: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(trainer, sampler, mask)``, each ``[N, Y]``: the train step's forward over prompt + response."""
-    samples = [StepSample(prefix=p, tail=(), response=c.token_ids, old_logprobs=c.logprobs, advantage=0.0)
-               for p, c in zip(prompts, completions)]  # fmt: skip
+    samples = [
+        StepSample(prefix=p, tail=(), response=c.token_ids, old_logprobs=c.logprobs, advantage=0.0)
+        for p, c in zip(prompts, completions)
+    ]
     batch = build_batch(samples, layout="two-stream")
     graphdef, params = nnx.split(model)
-    forward = jax.jit(lambda p, b: response_logprobs(nnx.merge(graphdef, p), b, temperature=temperature, with_rubric=False)[1])
-    return np.asarray(forward(params, batch), np.float64), np.asarray(batch.old_logp, np.float64), np.asarray(batch.response_mask)
+    forward = jax.jit(
+        lambda p, b: response_logprobs(nnx.merge(graphdef, p), b, temperature=temperature, with_rubric=False)[1]
+    )
+    return (
+        np.asarray(forward(params, batch), np.float64),
+        np.asarray(batch.old_logp, np.float64),
+        np.asarray(batch.response_mask),
+    )
 
 
 def main() -> None:
@@ -83,8 +91,10 @@ def main() -> None:
     print("\n| sampler | dtype | temperature | tokens | mean abs diff | max abs diff | mean p_trainer / p_sampler |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, dtype, temperature, tokens, s in rows:
-        print(f"| {name} | {dtype} | {temperature} | {tokens} | {s['logprob_mismatch_mean']:.2e} | "
-              f"{s['logprob_mismatch_max']:.2e} | {s['sampler_ratio_mean']:.4f} |")  # fmt: skip
+        print(
+            f"| {name} | {dtype} | {temperature} | {tokens} | {s['logprob_mismatch_mean']:.2e} | "
+            f"{s['logprob_mismatch_max']:.2e} | {s['sampler_ratio_mean']:.4f} |"
+        )
 
 
 if __name__ == "__main__":

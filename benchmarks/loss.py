@@ -60,7 +60,9 @@ class TwoForwardLoss(OrsdLoss):
         with_rows, without_rows = batch
         c = self.config
         # The with-rubric forward on stop-gradient parameters, as the two-stream replay's.
-        _, logp_with, _ = response_logprobs(without_gradient(model), with_rows, temperature=c.temperature, with_rubric=False)
+        _, logp_with, _ = response_logprobs(
+            without_gradient(model), with_rows, temperature=c.temperature, with_rubric=False
+        )
         _, logp, entropy = response_logprobs(model, without_rows, temperature=c.temperature, with_rubric=False)
         return policy_loss(logp, entropy, jax.lax.stop_gradient(logp_with), without_rows, c)
 
@@ -132,9 +134,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-remat", action="store_true", help="keep every layer's activations")
     parser.add_argument("--layers", type=int, default=None, help="use only the first N of the 30 layers")
-    parser.add_argument("--frozen-layers", type=int, default=0, help="train only the layers above the first N (cpu-demo: 26)")
+    parser.add_argument(
+        "--frozen-layers", type=int, default=0, help="train only the layers above the first N (cpu-demo: 26)"
+    )
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
-    parser.add_argument("--query-blocks", type=int, nargs="+", default=[decoder.QUERY_BLOCKS], help="attention variants (1: dense)")
+    parser.add_argument(
+        "--query-blocks", type=int, nargs="+", default=[decoder.QUERY_BLOCKS], help="attention variants (1: dense)"
+    )
     args = parser.parse_args()
 
     model, tokenizer = load_model(EMBEDDED, remat=not args.no_remat, frozen_layers=args.frozen_layers)
@@ -159,8 +165,9 @@ def main() -> None:
     if TORCH in args.layouts:  # the same weights, loss, optimizer and samples in PyTorch
         from benchmarks.torch_step import make_torch_step
 
-        torch_step = make_torch_step(model, samples, LossConfig(), OptimizerConfig(), frozen_layers=args.frozen_layers,
-                                     remat=not args.no_remat)  # fmt: skip
+        torch_step = make_torch_step(
+            model, samples, LossConfig(), OptimizerConfig(), frozen_layers=args.frozen_layers, remat=not args.no_remat
+        )
     # One train state passed from layout to layout: the layouts share its structure and sharding.
     graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
     del model  # the state holds a copy of the parameters
@@ -178,8 +185,12 @@ def main() -> None:
     if torch_step is not None:
         start = time.perf_counter()
         torch_step()  # warm-up
-        runs[TORCH, 0] = {"step": None, "batch": layouts(samples)["two forwards"][1],
-                          "compile": time.perf_counter() - start, "times": []}  # fmt: skip
+        runs[TORCH, 0] = {
+            "step": None,
+            "batch": layouts(samples)["two forwards"][1],
+            "compile": time.perf_counter() - start,
+            "times": [],
+        }
     matrix = jnp.ones((2048, 2048), jnp.float32)
     matmul = jax.jit(lambda x: x @ x)
     matmul(matrix).block_until_ready()
@@ -198,16 +209,31 @@ def main() -> None:
 
     p, s = len(samples[0].prefix), len(samples[0].tail)
     trained = args.rows * (p + s + args.response)  # tokens of the without-rubric sequences
-    print(f"SmolLM2-135M f32 ({config.num_layers} layers, {args.frozen_layers} frozen), remat {not args.no_remat}, "
-          f"{args.rows} samples: prompt {p} (chat head + text), rubric {args.rubric}, tail {s}, response {args.response}; "
-          f"{jax.devices()[0].platform}, matmul peak {peak / 1e9:.0f} GFLOP/s")  # fmt: skip
+    print(
+        f"SmolLM2-135M f32 ({config.num_layers} layers, {args.frozen_layers} frozen), remat {not args.no_remat}, "
+        f"{args.rows} samples: prompt {p} (chat head + text), rubric {args.rubric}, tail {s}, response {args.response}; "
+        f"{jax.devices()[0].platform}, matmul peak {peak / 1e9:.0f} GFLOP/s"
+    )
     median = {key: statistics.median(run["times"]) for key, run in runs.items()}
     # PyTorch's step is two forwards (the with-rubric one under no_grad), with torch's kernels.
-    flops = {key: executed_flops(config, "two forwards" if key[0] == TORCH else key[0], run["batch"]) for key, run in runs.items()}
+    flops = {
+        key: executed_flops(config, "two forwards" if key[0] == TORCH else key[0], run["batch"])
+        for key, run in runs.items()
+    }
     blocks_of = {name: blocks for name, blocks in runs}
-    columns = ["layout", "query blocks", "tokens per row", "step s (median)", "trained tokens/s", "GFLOP/s executed",
-               "% of matmul peak", "FLOP ratio vs two forwards", "measured vs two forwards", "measured / FLOP ratio",
-               "vs packed"]  # fmt: skip
+    columns = [
+        "layout",
+        "query blocks",
+        "tokens per row",
+        "step s (median)",
+        "trained tokens/s",
+        "GFLOP/s executed",
+        "% of matmul peak",
+        "FLOP ratio vs two forwards",
+        "measured vs two forwards",
+        "measured / FLOP ratio",
+        "vs packed",
+    ]
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for (name, blocks), run in runs.items():
         t, f = median[name, blocks], flops[name, blocks]
@@ -217,8 +243,15 @@ def main() -> None:
         if name == "two-stream":
             shape += f" + {batch.rubric_tokens.shape[1]}"
         blocks = blocks_of.get("two forwards", blocks) if name == TORCH else blocks  # compared with JAX's default
-        cells = [name if name != TORCH else "PyTorch (transformers, two forwards)", blocks if name != TORCH else "sdpa", shape, f"{t:.2f}", f"{trained / t:.0f}", f"{f / t / 1e9:.0f}",
-                 f"{100 * f / t / peak:.0f}%"]  # fmt: skip
+        cells = [
+            name if name != TORCH else "PyTorch (transformers, two forwards)",
+            blocks if name != TORCH else "sdpa",
+            shape,
+            f"{t:.2f}",
+            f"{trained / t:.0f}",
+            f"{f / t / 1e9:.0f}",
+            f"{100 * f / t / peak:.0f}%",
+        ]
         if ("two forwards", blocks) in runs:
             flop_ratio, measured = flops["two forwards", blocks] / f, median["two forwards", blocks] / t
             cells += [f"{flop_ratio:.2f}x", f"{measured:.2f}x", f"{measured / flop_ratio:.0%}"]

@@ -37,20 +37,24 @@ def step_samples(args, tokenizer, vocab: int) -> list[StepSample]:
     out = []
     for _ in range(args.samples):
         y = int(rng.randint(16, 49))
-        out.append(StepSample(
-            prefix=[*fmt.head, *rng.randint(0, vocab, rng.randint(args.prompt_min, args.prompt_max + 1)).tolist()],
-            insert=rng.randint(0, vocab, rng.randint(100, 161)).tolist() if args.method == "orsd" else (),
-            tail=list(fmt.tail),
-            response=rng.randint(0, vocab, y).tolist(),
-            old_logprobs=(-2.0 + 0.1 * rng.randn(y)).tolist(),
-            advantage=float(rng.randn()),
-        ))  # fmt: skip
+        out.append(
+            StepSample(
+                prefix=[*fmt.head, *rng.randint(0, vocab, rng.randint(args.prompt_min, args.prompt_max + 1)).tolist()],
+                insert=rng.randint(0, vocab, rng.randint(100, 161)).tolist() if args.method == "orsd" else (),
+                tail=list(fmt.tail),
+                response=rng.randint(0, vocab, y).tolist(),
+                old_logprobs=(-2.0 + 0.1 * rng.randn(y)).tolist(),
+                advantage=float(rng.randn()),
+            )
+        )
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=117, help="step samples of the update (cpu-study's 4 x 4 episodes: about 117)")
+    parser.add_argument(
+        "--samples", type=int, default=117, help="step samples of the update (cpu-study's 4 x 4 episodes: about 117)"
+    )
     parser.add_argument("--method", choices=["grpo", "orsd"], default="grpo")
     parser.add_argument("--prompt-min", type=int, default=150)
     parser.add_argument("--prompt-max", type=int, default=600)
@@ -65,9 +69,11 @@ def main() -> None:
     graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(base.loss), optimizer, graphdef, sharding)
     order = [np.random.RandomState(1).permutation(len(samples))]
-    configs = {"one per row": dataclasses.replace(base, pack_rows=False),
-               "packed rows": dataclasses.replace(base, pack_rows=True, row_tokens=0),
-               f"packed, >= {args.row_tokens}": dataclasses.replace(base, pack_rows=True, row_tokens=args.row_tokens)}  # fmt: skip
+    configs = {
+        "one per row": dataclasses.replace(base, pack_rows=False),
+        "packed rows": dataclasses.replace(base, pack_rows=True, row_tokens=0),
+        f"packed, >= {args.row_tokens}": dataclasses.replace(base, pack_rows=True, row_tokens=args.row_tokens),
+    }
     runs = {name: {"times": []} for name in configs}
     for _ in range(1 + args.reps):
         for name, config in configs.items():
@@ -76,14 +82,18 @@ def main() -> None:
             jax.block_until_ready(state)
             runs[name]["times"].append(time.perf_counter() - start)
             runs[name]["counts"] = counts
-    print(f"{args.samples} step samples ({args.method}), prompts {args.prompt_min}-{args.prompt_max} tokens, "
-          f"{jax.device_count()} device(s), medians of {args.reps}")  # fmt: skip
+    print(
+        f"{args.samples} step samples ({args.method}), prompts {args.prompt_min}-{args.prompt_max} tokens, "
+        f"{jax.device_count()} device(s), medians of {args.reps}"
+    )
     print(f"{'rows':<20}{'first (compiles)':>18}{'update':>10}{'slots':>10}{'fill':>7}{'speed-up':>10}")
     one = statistics.median(runs["one per row"]["times"][1:])
     for name, run in runs.items():
         c, median = run["counts"], statistics.median(run["times"][1:])
-        print(f"{name:<20}{run['times'][0]:>17.1f}s{median:>9.1f}s{c['row_slots']:>10}{c['row_tokens'] / c['row_slots']:>7.0%}"
-              f"{one / median:>9.2f}x")  # fmt: skip
+        print(
+            f"{name:<20}{run['times'][0]:>17.1f}s{median:>9.1f}s{c['row_slots']:>10}{c['row_tokens'] / c['row_slots']:>7.0%}"
+            f"{one / median:>9.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -56,24 +56,49 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 runs = []
                 for seed in range(args.repeats + 1):
-                    _, stats = collect_groups(sampler, pool, tasks, args.group_size, rollout, seed=seed % 2,
-                                              tokenizer=tokenizer, fmt=fmt, build_prompt=build_prompt)  # fmt: skip
+                    _, stats = collect_groups(
+                        sampler,
+                        pool,
+                        tasks,
+                        args.group_size,
+                        rollout,
+                        seed=seed % 2,
+                        tokenizer=tokenizer,
+                        fmt=fmt,
+                        build_prompt=build_prompt,
+                    )
                     if seed:  # the first round warms up
                         runs.append(stats)
-                        print(f"{kind}: {stats.env_steps} steps, {stats.generated_tokens} tokens in {stats.wall_seconds:.1f} s "
-                              f"(sampler {stats.sampler_seconds:.1f} s, environments {stats.env_seconds:.1f} s)", flush=True)  # fmt: skip
+                        print(
+                            f"{kind}: {stats.env_steps} steps, {stats.generated_tokens} tokens in {stats.wall_seconds:.1f} s "
+                            f"(sampler {stats.sampler_seconds:.1f} s, environments {stats.env_seconds:.1f} s)",
+                            flush=True,
+                        )
             finally:
                 sampler.close()
-            med = lambda f: statistics.median(f(s) for s in runs)  # noqa: E731
-            rows.append((kind, med(lambda s: s.env_steps / s.wall_seconds), med(lambda s: s.generated_tokens / s.wall_seconds),
-                         med(lambda s: s.sampler_seconds / s.wall_seconds), med(lambda s: s.env_seconds / s.wall_seconds)))  # fmt: skip
+            med = lambda f, runs=runs: statistics.median(f(s) for s in runs)  # noqa: E731
+            rows.append(
+                (
+                    kind,
+                    med(lambda s: s.env_steps / s.wall_seconds),
+                    med(lambda s: s.generated_tokens / s.wall_seconds),
+                    med(lambda s: s.sampler_seconds / s.wall_seconds),
+                    med(lambda s: s.env_seconds / s.wall_seconds),
+                )
+            )
     finally:
         pool.close()
     base = rows[0][1]
-    print(f"\n{args.tasks} tasks x {args.group_size} episodes, up to {args.max_steps} steps, {args.model}; medians of {args.repeats}")
-    print(f"{'sampler':<8} {'env steps/s':>12} {'gen tokens/s':>13} {'sampler share':>14} {'env share':>10} {'vs ' + rows[0][0]:>9}")
+    print(
+        f"\n{args.tasks} tasks x {args.group_size} episodes, up to {args.max_steps} steps, {args.model}; medians of {args.repeats}"
+    )
+    print(
+        f"{'sampler':<8} {'env steps/s':>12} {'gen tokens/s':>13} {'sampler share':>14} {'env share':>10} {'vs ' + rows[0][0]:>9}"
+    )
     for kind, steps, tokens, sampler_share, env_share in rows:
-        print(f"{kind:<8} {steps:>12.2f} {tokens:>13.1f} {sampler_share:>14.0%} {env_share:>10.0%} {steps / base:>8.2f}x")
+        print(
+            f"{kind:<8} {steps:>12.2f} {tokens:>13.1f} {sampler_share:>14.0%} {env_share:>10.0%} {steps / base:>8.2f}x"
+        )
 
 
 if __name__ == "__main__":

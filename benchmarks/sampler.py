@@ -20,8 +20,7 @@ import argparse
 import random
 import statistics
 import time
-from typing import Callable, Sequence
-
+from collections.abc import Callable, Sequence
 
 from orsd_jax import chat
 from orsd_jax.models import EMBEDDED, load_model, resolve
@@ -39,7 +38,8 @@ def agent_prompt(tokenizer, fmt: chat.ChatFormat, seed: int, target_tokens: int)
     task = f"put a {rng.choice(OBJECTS)} in the {rng.choice(places)}"
     lines = [
         f"Episode {seed}. You are in the middle of a {rng.choice(ROOMS)}. Around you are "
-        + ", ".join(places) + f". Your task is to: {task}.",
+        + ", ".join(places)
+        + f". Your task is to: {task}.",
         "Prior to this step, you have taken the following actions:",
     ]
     actions = [f"go to {p}" for p in places] + [f"open {p}" for p in places[:4]] + ["look", "inventory"]
@@ -50,8 +50,10 @@ def agent_prompt(tokenizer, fmt: chat.ChatFormat, seed: int, target_tokens: int)
         lines.append(f"[Step {step}] Action: go to {place}. Observation: You arrive at {place}. On it, you see {seen}.")
         text = "\n".join(
             lines
-            + [f"Your admissible actions of the current situation are: [{', '.join(actions)}].",
-               "Think step by step, then give your action inside <action></action>."]
+            + [
+                f"Your admissible actions of the current situation are: [{', '.join(actions)}].",
+                "Think step by step, then give your action inside <action></action>.",
+            ]
         )
         ids = chat.prompt_ids(fmt, tokenizer, text)
         if len(ids) >= target_tokens:
@@ -59,8 +61,9 @@ def agent_prompt(tokenizer, fmt: chat.ChatFormat, seed: int, target_tokens: int)
         step += 1
 
 
-def measure(run: Callable[[list[list[int]]], int], prompts_for: Callable[[int, int], list[list[int]]],
-            batch: int, repeats: int) -> float:
+def measure(
+    run: Callable[[list[list[int]]], int], prompts_for: Callable[[int, int], list[list[int]]], batch: int, repeats: int
+) -> float:
     """Median output tokens/s over ``repeats`` runs after one warm-up run."""
     run(prompts_for(batch, 0))
     rates = []
@@ -84,8 +87,14 @@ def transformers_runner(model_name: str, new_tokens: int) -> Callable[[list[list
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         return int(out[:, width:].numel())
 
     return run
@@ -117,11 +126,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=500)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--samplers", nargs="+", default=["transformers", "jax", "vllm", "vllm-own-binding"],
-                        choices=["transformers", "jax", "vllm", "vllm-own-binding"])
+    parser.add_argument(
+        "--samplers",
+        nargs="+",
+        default=["transformers", "jax", "vllm", "vllm-own-binding"],
+        choices=["transformers", "jax", "vllm", "vllm-own-binding"],
+    )
     parser.add_argument("--vllm-compiled", action="store_true", help="torch.compile mode instead of eager")
-    parser.add_argument("--vllm-env", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="extra environment for the vLLM server, e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0")
+    parser.add_argument(
+        "--vllm-env",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the vLLM server, e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0",
+    )
     args = parser.parse_args()
 
     model, tokenizer = load_model(args.model)
@@ -132,8 +150,10 @@ def main() -> None:
         return [agent_prompt(tokenizer, fmt, 1000 * run + i, args.prompt_tokens) for i in range(batch)]
 
     lengths = [len(p) for p in prompts_for(8, 0)]
-    print(f"{args.model}: prompts of {min(lengths)}-{max(lengths)} tokens, {args.new_tokens} new tokens, "
-          f"greedy, median of {args.repeats} runs")
+    print(
+        f"{args.model}: prompts of {min(lengths)}-{max(lengths)} tokens, {args.new_tokens} new tokens, "
+        f"greedy, median of {args.repeats} runs"
+    )
     rates: dict[str, dict[int, float]] = {}
 
     def bench(name: str, run: Callable[[list[list[int]]], int]) -> None:
@@ -158,8 +178,13 @@ def main() -> None:
 
     for variant in (v for v in variants if v in args.samplers):
         env = variants[variant] | dict(item.split("=", 1) for item in args.vllm_env)
-        options = ServerOptions(max_model_len=max_model_len, dtype=model.config.param_dtype,
-                                eager=not args.vllm_compiled, cpu_kv_cache_gib=2, env=env)
+        options = ServerOptions(
+            max_model_len=max_model_len,
+            dtype=model.config.param_dtype,
+            eager=not args.vllm_compiled,
+            cpu_kv_cache_gib=2,
+            env=env,
+        )
         start = time.perf_counter()
         with VLLMSampler(resolve(args.model), tokenizer, options=options) as sampler:
             mode = "compiled" if args.vllm_compiled else "eager"

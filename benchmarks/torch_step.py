@@ -152,7 +152,9 @@ class TorchStep:
         logp_with = None
         if self.with_rubric is not None:
             with torch.no_grad():  # l+ is a fixed per-token reward: no graph for the with-rubric forward
-                logp_r, _ = response_logprobs(self.model, self.with_rubric, self.response[self.rubric_rows], c.temperature)
+                logp_r, _ = response_logprobs(
+                    self.model, self.with_rubric, self.response[self.rubric_rows], c.temperature
+                )
             logp_with = torch.zeros_like(self.old_logp).index_copy(0, self.rubric_rows, logp_r)
         logp, entropy = response_logprobs(self.model, self.without, self.response, c.temperature)
         loss_sum, count, sums = policy_loss(
@@ -161,8 +163,13 @@ class TorchStep:
         loss = loss_sum / count  # the token mean over the whole batch, as the JAX step
         loss.backward()
         n = float(count)
-        return {"loss": loss.item(), "tokens": n, "clip_frac": float(sums["clipped"]) / n,
-                "approx_kl": float(sums["approx_kl"]) / n, "entropy": float(sums["entropy"]) / n}  # fmt: skip
+        return {
+            "loss": loss.item(),
+            "tokens": n,
+            "clip_frac": float(sums["clipped"]) / n,
+            "approx_kl": float(sums["approx_kl"]) / n,
+            "entropy": float(sums["entropy"]) / n,
+        }
 
     def __call__(self) -> dict[str, float]:
         """One whole train step: forwards, loss, backward, clipping, AdamW; metrics at the parameters it started from."""

@@ -1,6 +1,6 @@
 """One chat completion with a model, in process: a smoke test of the model stack.
 
-    python -m experiments.chat --prompt "What is the capital of France?"
+python -m experiments.chat --prompt "What is the capital of France?"
 """
 
 from __future__ import annotations
@@ -28,11 +28,16 @@ def main(argv: list[str] | None = None) -> None:
     fmt = chat.chat_format(tokenizer)
     sampler = JaxSampler(model, tokenizer, max_model_len=1024)
     params = SamplingParams(
-        temperature=args.temperature, max_new_tokens=args.max_new_tokens, stop_token_ids=fmt.stop_token_ids, seed=args.seed
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=fmt.stop_token_ids,
+        seed=args.seed,
     )
     completion = sampler.generate([chat.prompt_ids(fmt, tokenizer, args.prompt)], params)[0]
     print(f"user: {args.prompt}\nassistant: {completion.text}")
-    print(f"({len(completion.token_ids)} tokens, finish: {completion.finish_reason}, {time.perf_counter() - started:.1f} s)")
+    print(
+        f"({len(completion.token_ids)} tokens, finish: {completion.finish_reason}, {time.perf_counter() - started:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ import sys
 from orsd_jax.batch import LAYOUTS
 from orsd_jax.config import METHODS, PRESETS, TrainConfig, VerifierSetup, preset
 from orsd_jax.metrics_log import console_logging
-from orsd_jax.rubrics.verify import DASHSCOPE, VerifierConfig
 from orsd_jax.rubrics.generate import SELECTIONS
 from orsd_jax.rubrics.sources import SOURCES
+from orsd_jax.rubrics.verify import DASHSCOPE, VerifierConfig
 
 
 def task_types(text: str) -> tuple[str, ...]:
@@ -33,17 +33,34 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--n-tasks", type=int)
     p.add_argument("--group-size", type=int)
     p.add_argument("--candidates", type=int, help="rubric bundles per group (K)")
-    p.add_argument("--min-correlation", type=float, help="keep a selected rubric only if its Spearman correlation reaches this (default: always, as the paper)")
-    p.add_argument("--rubric-source", choices=SOURCES, help="where rubric candidates come from (default: policy, the paper's)")
+    p.add_argument(
+        "--min-correlation",
+        type=float,
+        help="keep a selected rubric only if its Spearman correlation reaches this (default: always, as the paper)",
+    )
+    p.add_argument(
+        "--rubric-source", choices=SOURCES, help="where rubric candidates come from (default: policy, the paper's)"
+    )
     p.add_argument("--rubric-file", help="with --rubric-source file: JSON mapping task keys to lists of criteria")
-    p.add_argument("--selection", choices=SELECTIONS, help="how a bundle is chosen (default: spearman, the paper's); "
-                   "gap-alignment replays every step once more with each candidate (its cost: time/selection_replay)")
+    p.add_argument(
+        "--selection",
+        choices=SELECTIONS,
+        help="how a bundle is chosen (default: spearman, the paper's); "
+        "gap-alignment replays every step once more with each candidate (its cost: time/selection_replay)",
+    )
     p.add_argument("--coef", type=float, help="lambda: weight of the rubric correction")
     p.add_argument("--clip", type=float, help="c: the gap is clipped to [-c, c]")
     p.add_argument("--lr", type=float)
+    p.add_argument(
+        "--warmup-steps", type=int, help="optimizer steps over which the learning rate rises linearly (default: none)"
+    )
     p.add_argument("--replay", choices=LAYOUTS, help="the replay's batch layout (default: two-stream, the fastest)")
-    p.add_argument("--old-logprobs", choices=["sampler", "trainer"], help="the PPO ratio's old log-probs (paper presets: trainer)")
-    p.add_argument("--tis-cap", type=float, help="truncated importance sampling at this cap (needs --old-logprobs trainer)")
+    p.add_argument(
+        "--old-logprobs", choices=["sampler", "trainer"], help="the PPO ratio's old log-probs (paper presets: trainer)"
+    )
+    p.add_argument(
+        "--tis-cap", type=float, help="truncated importance sampling at this cap (needs --old-logprobs trainer)"
+    )
     p.add_argument("--devices", type=int, help="mesh size")
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--sampler", choices=["vllm", "jax"])
@@ -52,10 +69,17 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--verifier-model", help="model name at that endpoint")
     p.add_argument("--verifier-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key")
     p.add_argument("--eval-games", type=int)
-    p.add_argument("--task-types", type=task_types, help="ALFWorld task types to play, comma-separated (pick,look,clean,heat,cool,pick2)")
+    p.add_argument(
+        "--task-types",
+        type=task_types,
+        help="ALFWorld task types to play, comma-separated (pick,look,clean,heat,cool,pick2)",
+    )
+    p.add_argument("--train-pool", type=int, help="play only the first N train tasks (a fixed pool; default: all)")
     p.add_argument("--seed", type=int)
     p.add_argument("--data-dir", help="WebShop data (default $WEBSHOP_DATA)")
-    p.add_argument("--strict", action="store_true", default=None, help="stop when an ORSD update gets no rubric in any group")
+    p.add_argument(
+        "--strict", action="store_true", default=None, help="stop when an ORSD update gets no rubric in any group"
+    )
     p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: end the process early
     return p
 
@@ -63,14 +87,39 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
 def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
     c = preset(args.preset, env)
     set_ = lambda obj, **kw: dataclasses.replace(obj, **{k: v for k, v in kw.items() if v is not None})  # noqa: E731
-    c = set_(c, method=args.method, updates=args.updates, n_tasks=args.n_tasks, group_size=args.group_size,
-             devices=args.devices, fsdp=args.fsdp, sampler=args.sampler, eval_games=args.eval_games, seed=args.seed,
-             strict=args.strict, replay=args.replay, old_logprobs=args.old_logprobs)  # fmt: skip
-    c = set_(c, model=set_(c.model, name=args.model), env=set_(c.env, data_dir=args.data_dir, task_types=args.task_types))
-    c = set_(c, rubric=set_(c.rubric, candidates=args.candidates, min_correlation=args.min_correlation, source=args.rubric_source,
-                            source_file=args.rubric_file, selection=args.selection),
-             loss=set_(c.loss, coef=args.coef, clip=args.clip, tis_cap=args.tis_cap))  # fmt: skip
-    c = set_(c, optimizer=set_(c.optimizer, learning_rate=args.lr))
+    c = set_(
+        c,
+        method=args.method,
+        updates=args.updates,
+        n_tasks=args.n_tasks,
+        group_size=args.group_size,
+        devices=args.devices,
+        fsdp=args.fsdp,
+        sampler=args.sampler,
+        eval_games=args.eval_games,
+        seed=args.seed,
+        strict=args.strict,
+        replay=args.replay,
+        old_logprobs=args.old_logprobs,
+    )
+    c = set_(
+        c,
+        model=set_(c.model, name=args.model),
+        env=set_(c.env, data_dir=args.data_dir, task_types=args.task_types, train_pool=args.train_pool),
+    )
+    c = set_(
+        c,
+        rubric=set_(
+            c.rubric,
+            candidates=args.candidates,
+            min_correlation=args.min_correlation,
+            source=args.rubric_source,
+            source_file=args.rubric_file,
+            selection=args.selection,
+        ),
+        loss=set_(c.loss, coef=args.coef, clip=args.clip, tis_cap=args.tis_cap),
+    )
+    c = set_(c, optimizer=set_(c.optimizer, learning_rate=args.lr, warmup_steps=args.warmup_steps))
     if args.model:  # an explicit initial policy replaces the preset's warm start
         c = dataclasses.replace(c, model=dataclasses.replace(c.model, warmstart=None, random_shape=None))
     if args.verifier == "dashscope":
@@ -78,7 +127,9 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
     elif args.verifier == "openai":
         if not (args.verifier_url and args.verifier_model):
             raise SystemExit("--verifier openai needs --verifier-url and --verifier-model")
-        endpoint = VerifierConfig(base_url=args.verifier_url, model=args.verifier_model, api_key_env=args.verifier_key_env)
+        endpoint = VerifierConfig(
+            base_url=args.verifier_url, model=args.verifier_model, api_key_env=args.verifier_key_env
+        )
         c = dataclasses.replace(c, verifier=VerifierSetup(kind="openai", endpoint=endpoint))
     elif args.verifier:
         c = dataclasses.replace(c, verifier=dataclasses.replace(c.verifier, kind=args.verifier))
@@ -95,13 +146,22 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
         model = estimate.PAPER_MODELS[c.model.name]
     else:
         model = ModelConfig.from_hf_config(json.loads((resolve(c.model.name) / "config.json").read_text()))
-    model = dataclasses.replace(model, param_dtype=c.model.dtype, compute_dtype=c.model.compute_dtype or c.model.dtype,
-                                remat=c.model.remat)  # fmt: skip
+    model = dataclasses.replace(
+        model, param_dtype=c.model.dtype, compute_dtype=c.model.compute_dtype or c.model.dtype, remat=c.model.remat
+    )
     devices = c.devices or 1
     rubric_tokens = 256 if c.uses_rubrics else 0
     seq_len = c.rollout.max_prompt_tokens + rubric_tokens + 2 * (8 + c.rollout.max_response_tokens)
-    e = estimate.estimate(model, rows=c.minibatch_rows, seq_len=seq_len, response_len=c.rollout.max_response_tokens,
-                          devices=devices, micro_batches=c.micro_batches, fsdp=c.fsdp, reference=bool(c.loss.kl_coef))  # fmt: skip
+    e = estimate.estimate(
+        model,
+        rows=c.minibatch_rows,
+        seq_len=seq_len,
+        response_len=c.rollout.max_response_tokens,
+        devices=devices,
+        micro_batches=c.micro_batches,
+        fsdp=c.fsdp,
+        reference=bool(c.loss.kl_coef),
+    )
     episodes = c.updates * c.n_tasks * c.group_size
     gb = estimate.GB
     lines = [
@@ -120,7 +180,10 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
     ]
     a = c.advantage
     episodes_per_update = c.n_tasks * c.group_size
-    steps = [c.ppo_epochs * -(-n // c.minibatch_rows) for n in (episodes_per_update, episodes_per_update * c.rollout.max_steps)]
+    steps = [
+        c.ppo_epochs * -(-n // c.minibatch_rows)
+        for n in (episodes_per_update, episodes_per_update * c.rollout.max_steps)
+    ]
     lines += [
         f"reward: {c.env.reward} ({'10 x success' if c.env.reward == 'success' else '10 x score'}); "
         f"invalid answers ({a.invalid} rule) cost {a.invalid_penalty}",
@@ -134,10 +197,14 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
         f"evaluation: {', '.join(c.eval_splits)}, {c.eval_games} tasks each",
     ]
     if c.uses_rubrics:
-        lines.append(f"rubric selection: {c.selection_mode}, rank-correlated with the group's {c.rubric.rank_by}s; "
-                     f"candidates from the {c.rubric.source} source")  # fmt: skip
-        lines.append(f"rubrics: {c.updates * c.n_tasks * (c.rubric.candidates if c.rubric.source == 'policy' else 1)} candidate bundles; verifier "
-                     f"{c.verifier.kind}{' ' + c.verifier.endpoint.model if c.verifier.endpoint else ''}")  # fmt: skip
+        lines.append(
+            f"rubric selection: {c.selection_mode}, rank-correlated with the group's {c.rubric.rank_by}s; "
+            f"candidates from the {c.rubric.source} source"
+        )
+        lines.append(
+            f"rubrics: {c.updates * c.n_tasks * (c.rubric.candidates if c.rubric.source == 'policy' else 1)} candidate bundles; verifier "
+            f"{c.verifier.kind}{' ' + c.verifier.endpoint.model if c.verifier.endpoint else ''}"
+        )
     if not e.fits:
         lines.append("the plan does not fit: use --fsdp, more --devices or more micro-batches")
     return "\n".join(lines), e.fits
@@ -162,8 +229,12 @@ def main(env: str, doc: str, argv: list[str] | None = None) -> None:
 
         write_report(out)
     print(f"\nrun directory: {out.resolve()}")
-    for name, path in [("metrics", "metrics.jsonl"), ("tensorboard", "tb"), ("checkpoints", "checkpoints"),
-                       ("credit report", "credit_report.html")]:  # fmt: skip
+    for name, path in [
+        ("metrics", "metrics.jsonl"),
+        ("tensorboard", "tb"),
+        ("checkpoints", "checkpoints"),
+        ("credit report", "credit_report.html"),
+    ]:
         if (out / path).exists():
             print(f"{name:>14}: {(out / path).resolve()}")
     if policy.exists():

@@ -35,7 +35,9 @@ def _tasks(args):
     for task_type, n in ((args.type, args.games), (args.other_type, args.other_games)):
         pool = [t for split in ("valid_seen", "valid_unseen") for t in load_split(root, split, (task_type,))]
         if len(pool) < n:
-            raise SystemExit(f"{len(pool)} held-out {task_type} games among {args.generated} per split; raise --generated")
+            raise SystemExit(
+                f"{len(pool)} held-out {task_type} games among {args.generated} per split; raise --generated"
+            )
         tasks += pool[:n]
     return tasks
 
@@ -55,8 +57,17 @@ def _play(args, policy, tokenizer, fmt, tasks, rollout):
         for start in range(0, len(tasks), per_call):
             chunk = tasks[start : start + per_call]
             chunk = chunk + [chunk[-1]] * (per_call - len(chunk))
-            played, _ = collect_groups(sampler, pool, chunk, args.group_size, rollout, args.seed + start,
-                                       tokenizer=tokenizer, fmt=fmt, build_prompt=build_prompt)  # fmt: skip
+            played, _ = collect_groups(
+                sampler,
+                pool,
+                chunk,
+                args.group_size,
+                rollout,
+                args.seed + start,
+                tokenizer=tokenizer,
+                fmt=fmt,
+                build_prompt=build_prompt,
+            )
             groups += played[: len(tasks) - start]
             print(f"played {len(groups)}/{len(tasks)} groups", flush=True)
     return groups, sampler
@@ -71,10 +82,14 @@ def _policy_rubrics(args, sampler, tokenizer, fmt, groups, advantage):
     config = preset("cpu-demo").rubric
     bundles = generate_bundles(sampler, groups, config, args.seed, tokenizer=tokenizer, fmt=fmt)
     server = sampler.server  # the same frozen weights: the policy is not trained here
-    verifier = OpenAIVerifier(VerifierConfig(base_url=f"{server.url}/v1", model=server.served_model_name, mode="logprob"))
+    verifier = OpenAIVerifier(
+        VerifierConfig(base_url=f"{server.url}/v1", model=server.served_model_name, mode="logprob")
+    )
     rng = np.random.default_rng(args.seed)
-    chosen = [verify_and_select(verifier, g, b, "spearman", rng, rank_targets(g, config.rank_by, advantage))
-              for g, b in zip(groups, bundles)]  # fmt: skip
+    chosen = [
+        verify_and_select(verifier, g, b, "spearman", rng, rank_targets(g, config.rank_by, advantage))
+        for g, b in zip(groups, bundles)
+    ]
     return [r.criteria for r in chosen], rubric_metrics(chosen)
 
 
@@ -189,12 +204,21 @@ def main(argv: list[str] | None = None) -> None:
     for (g, t, k, have), logp in zip(index, scored):
         group, traj = groups[g], groups[g].trajectories[t]
         step = traj.steps[k]
-        steps.append(ProbeStep(
-            game=group.task.key, task_type=group.task.task_type, trajectory=t, step=k, expert=labels[g][t][k],
-            valid=step.valid, won=traj.won, ret=float(returns(group, demo.advantage)[t]),
-            advantage=float(advantages[g][t][k]), classes=token_classes(token_pieces(tokenizer, step.response_ids)),
-            gaps={s: logp[i] - logp[-1] for i, s in enumerate(have)},
-        ))  # fmt: skip
+        steps.append(
+            ProbeStep(
+                game=group.task.key,
+                task_type=group.task.task_type,
+                trajectory=t,
+                step=k,
+                expert=labels[g][t][k],
+                valid=step.valid,
+                won=traj.won,
+                ret=float(returns(group, demo.advantage)[t]),
+                advantage=float(advantages[g][t][k]),
+                classes=token_classes(token_pieces(tokenizer, step.response_ids)),
+                gaps={s: logp[i] - logp[-1] for i, s in enumerate(have)},
+            )
+        )
     timings["score_steps"] = time.perf_counter() - started
 
     # Probed states: every admissible action as the policy's answer form, with and without each rubric.
@@ -203,12 +227,20 @@ def main(argv: list[str] | None = None) -> None:
     for g, k, actions, expert in states:
         group = groups[g]
         prefix = list(group.trajectories[0].steps[k].prompt_ids[: -len(tail)])
-        answers = [(tail, chat.encode(tokenizer, demo_answer(group.task.description, a, reasoning=False))) for a in actions]
+        answers = [
+            (tail, chat.encode(tokenizer, demo_answer(group.task.description, a, reasoning=False))) for a in actions
+        ]
         have = [s for s in sources if inserts[s][g] is not None]
         rows = [(prefix, answers)] + [(prefix + list(inserts[s][g]), answers) for s in have]
-        sums = [np.array([float(x.sum()) for x in row]) for row in branch_logprobs(model, rows, rows_per_call=1, branch_multiple=8, **options)]
-        probed.append(ProbeState(group.task.key, actions, np.array([a == expert for a in actions]), sums[0],
-                                 dict(zip(have, sums[1:]))))  # fmt: skip
+        sums = [
+            np.array([float(x.sum()) for x in row])
+            for row in branch_logprobs(model, rows, rows_per_call=1, branch_multiple=8, **options)
+        ]
+        probed.append(
+            ProbeState(
+                group.task.key, actions, np.array([a == expert for a in actions]), sums[0], dict(zip(have, sums[1:]))
+            )
+        )
     timings["score_states"] = time.perf_counter() - started
 
     with open(out / "scored.pkl", "wb") as f:  # the scores, to summarise again without replaying
@@ -225,15 +257,45 @@ def _write(out, args, policy, steps, states, sources, summary, stage, timings, g
 
     with open(out / "probe.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["game", "task_type", "trajectory", "step", "expert", "valid", "won", "return", "advantage",
-                         "source", "gap_step", "gap_action", "gap_format", "tokens"])  # fmt: skip
+        writer.writerow(
+            [
+                "game",
+                "task_type",
+                "trajectory",
+                "step",
+                "expert",
+                "valid",
+                "won",
+                "return",
+                "advantage",
+                "source",
+                "gap_step",
+                "gap_action",
+                "gap_format",
+                "tokens",
+            ]
+        )
         for s in steps:
             for source, gap in s.gaps.items():
                 action, fmt_ = gap[s.classes == ACTION], gap[s.classes == FORMAT]
-                writer.writerow([s.game, s.task_type, s.trajectory, s.step, int(s.expert), int(s.valid), int(s.won),
-                                 s.ret, f"{s.advantage:.6f}", source, f"{gap.mean():.6f}",
-                                 f"{action.mean():.6f}" if len(action) else "", f"{fmt_.mean():.6f}" if len(fmt_) else "",
-                                 len(gap)])  # fmt: skip
+                writer.writerow(
+                    [
+                        s.game,
+                        s.task_type,
+                        s.trajectory,
+                        s.step,
+                        int(s.expert),
+                        int(s.valid),
+                        int(s.won),
+                        s.ret,
+                        f"{s.advantage:.6f}",
+                        source,
+                        f"{gap.mean():.6f}",
+                        f"{action.mean():.6f}" if len(action) else "",
+                        f"{fmt_.mean():.6f}" if len(fmt_) else "",
+                        len(gap),
+                    ]
+                )
     with open(out / "states.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["game", "action", "expert", "logp_without", *[f"logp_{s}" for s in sources]])
@@ -243,11 +305,20 @@ def _write(out, args, policy, steps, states, sources, summary, stage, timings, g
                 writer.writerow([st.game, a, int(st.expert[i]), f"{st.without[i]:.6f}", *extra])
     by_type = {}
     for t in sorted({s.task_type for s in steps}):
-        by_type[t] = summarise([s for s in steps if s.task_type == t], [], sources, coef=args.coef, clip=args.clip, n_boot=500)
+        by_type[t] = summarise(
+            [s for s in steps if s.task_type == t], [], sources, coef=args.coef, clip=args.clip, n_boot=500
+        )
     settings = {k: v for k, v in vars(args).items()} | {"policy": str(pathlib.Path(policy).name)}
-    info = {"settings": settings, "summary": summary, "by_type": by_type, "rubric_stage": stage, "timings_s": timings,
-            "games": len(groups), "episodes": sum(len(g.trajectories) for g in groups),
-            "won": sum(t.won for g in groups for t in g.trajectories)}  # fmt: skip
+    info = {
+        "settings": settings,
+        "summary": summary,
+        "by_type": by_type,
+        "rubric_stage": stage,
+        "timings_s": timings,
+        "games": len(groups),
+        "episodes": sum(len(g.trajectories) for g in groups),
+        "won": sum(t.won for g in groups for t in g.trajectories),
+    }
     (out / "probe.json").write_text(json.dumps(info, indent=2, default=float))
     (out / "probe.md").write_text(_markdown(summary, by_type, info))
     _plot(out / "probe.png", steps, sources)
@@ -279,16 +350,26 @@ def _markdown(summary, by_type, info) -> str:
             f"| {_fmt(r, 'sign_flips', 3)} | {_fmt(r, 'gap_outcome_spearman')} | {top1} | {_fmt(r, 'within_state_auc')} |"
         )
     for task_type, rows in by_type.items():
-        lines += ["", f"{task_type} games only:", "", "| source | steps | AUC step gap [95%] | AUC action gap [95%] |",
-                  "|---|---:|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            f"{task_type} games only:",
+            "",
+            "| source | steps | AUC step gap [95%] | AUC action gap [95%] |",
+            "|---|---:|---|---|",
+        ]
         for r in rows:
             if r["steps"]:
-                lines.append(f"| {r['source']} | {int(r['steps'])} | {_fmt(r, 'auc_step')} [{_fmt(r, 'auc_step_lo')}, "
-                             f"{_fmt(r, 'auc_step_hi')}] | {_fmt(r, 'auc_action')} [{_fmt(r, 'auc_action_lo')}, {_fmt(r, 'auc_action_hi')}] |")  # fmt: skip
+                lines.append(
+                    f"| {r['source']} | {int(r['steps'])} | {_fmt(r, 'auc_step')} [{_fmt(r, 'auc_step_lo')}, "
+                    f"{_fmt(r, 'auc_step_hi')}] | {_fmt(r, 'auc_action')} [{_fmt(r, 'auc_action_lo')}, {_fmt(r, 'auc_action_hi')}] |"
+                )
     stage = info["rubric_stage"]
     if stage:
-        lines += ["", f"Policy rubrics: {stage.get('rubric/groups_with_rubric', 0):.0f} of {info['games']} groups got one "
-                  f"({stage.get('rubric/valid_bundles', 0):.0f} of {stage.get('rubric/bundles', 0):.0f} bundles valid)."]  # fmt: skip
+        lines += [
+            "",
+            f"Policy rubrics: {stage.get('rubric/groups_with_rubric', 0):.0f} of {info['games']} groups got one "
+            f"({stage.get('rubric/valid_bundles', 0):.0f} of {stage.get('rubric/bundles', 0):.0f} bundles valid).",
+        ]
     lines += ["", "Timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in info["timings_s"].items())]
     return "\n".join(lines) + "\n"
 

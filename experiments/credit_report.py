@@ -21,7 +21,9 @@ from orsd_jax.credit import load_credit
 from orsd_jax.credit_html import render
 
 
-def write_report(run_dir: str | os.PathLike, update: int | None = None, out: str | os.PathLike | None = None) -> pathlib.Path:
+def write_report(
+    run_dir: str | os.PathLike, update: int | None = None, out: str | os.PathLike | None = None
+) -> pathlib.Path:
     """Renders a recorded update of ``run_dir`` (default: the last) to ``out`` (default: RUN/credit_report.html)."""
     run = pathlib.Path(run_dir)
     config = from_json((run / "config.json").read_text()).resolved()
@@ -41,8 +43,16 @@ def chromium() -> str:
 
 def _browser(page: pathlib.Path, *flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as profile:  # a fresh profile: no state shared between runs
-        command = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                   f"--user-data-dir={profile}", *flags, page.resolve().as_uri()]  # fmt: skip
+        command = [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            *flags,
+            page.resolve().as_uri(),
+        ]
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=True)
 
 

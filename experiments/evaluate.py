@@ -20,7 +20,9 @@ from experiments.common import task_types
 from orsd_jax.config import PRESETS, preset
 
 
-def evaluate_policy(policy, suite, tasks, rollout, out: pathlib.Path, sampler_kind: str, title: str, seed: int = 0) -> dict:
+def evaluate_policy(
+    policy, suite, tasks, rollout, out: pathlib.Path, sampler_kind: str, title: str, seed: int = 0
+) -> dict:
     """Success and valid-answer rate of the Hugging Face directory ``policy`` on ``tasks`` of ``suite``."""
     from orsd_jax import chat, evaluation
     from orsd_jax.envs import EnvPool
@@ -43,8 +45,9 @@ def evaluate_policy(policy, suite, tasks, rollout, out: pathlib.Path, sampler_ki
     fmt = chat.chat_format(tokenizer)
     pool = EnvPool(suite.make_env, n_envs=min(16, len(tasks)))
     try:
-        episodes = evaluation.sweep(sampler, pool, tasks, rollout, seed=seed, tokenizer=tokenizer, fmt=fmt,
-                                    build_prompt=suite.build_prompt)  # fmt: skip
+        episodes = evaluation.sweep(
+            sampler, pool, tasks, rollout, seed=seed, tokenizer=tokenizer, fmt=fmt, build_prompt=suite.build_prompt
+        )
     finally:
         pool.close()
         sampler.close()
@@ -67,9 +70,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)  # before any game loads: the planner overwrites sys.argv
     config = preset(args.preset, args.env)
     split = args.split or config.eval_splits[0]
-    env = dataclasses.replace(config.env, eval_splits=(split,),
-                              data_dir=args.data_dir or config.env.data_dir,
-                              task_types=args.task_types or config.env.task_types)  # fmt: skip
+    env = dataclasses.replace(
+        config.env,
+        eval_splits=(split,),
+        data_dir=args.data_dir or config.env.data_dir,
+        task_types=args.task_types or config.env.task_types,
+    )
     config = dataclasses.replace(config, env=env)
     from orsd_jax.models import resolve
     from orsd_jax.trainer import make_suite
@@ -84,7 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         policy = resolve(config.model.name)
     suite = make_suite(config)
     tasks = suite.eval[split][: args.games or config.eval_games]
-    rollout = dataclasses.replace(config.rollout, temperature=config.eval_temperature if args.temperature is None else args.temperature)
+    rollout = dataclasses.replace(
+        config.rollout, temperature=config.eval_temperature if args.temperature is None else args.temperature
+    )
     out = pathlib.Path(args.out)
     summary = evaluate_policy(policy, suite, tasks, rollout, out, args.sampler, f"{policy} on {split}")
     print((out / "eval.md").read_text())

@@ -58,8 +58,9 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 def study_parser() -> argparse.ArgumentParser:
     # No abbreviations: "--seed 3" must not pass for "--seeds 3"; unknown flags are the runs'.
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--env", choices=ENVS, default="alfworld")
     p.add_argument("--preset", choices=sorted(PRESETS), help="default: the trainer's for --env")
     p.add_argument("--methods", type=_methods, help="comma-separated, e.g. grpo,gigpo,orsd,orsd-oracle")
@@ -74,8 +75,19 @@ def study_parser() -> argparse.ArgumentParser:
 
 def run_args(plan: study.StudyPlan, run: study.RunSpec) -> list[str]:
     """The training command line of one run of the grid."""
-    return ["--preset", plan.preset, "--updates", str(plan.updates), *plan.overrides, "--method", run.method,
-            "--seed", str(run.seed), "--out", str(run.directory)]  # fmt: skip
+    return [
+        "--preset",
+        plan.preset,
+        "--updates",
+        str(plan.updates),
+        *plan.overrides,
+        "--method",
+        run.method,
+        "--seed",
+        str(run.seed),
+        "--out",
+        str(run.directory),
+    ]
 
 
 def run_config(plan: study.StudyPlan, run: study.RunSpec) -> TrainConfig:
@@ -120,8 +132,11 @@ def dry_run(plan: study.StudyPlan, configs: dict[study.RunSpec, TrainConfig], pa
         lines.append("{:<24} {:<9} {:>7} {:>9} {:>20} {:>10}".format(*cells))
     devices = max(c.devices or 1 for c in configs.values())
     at_once = devices * min(parallel, len(runs))
-    lines += ["", f"total: {len(runs)} runs, {episodes} training episodes, at most {steps} environment steps",
-              f"devices: {devices} per run, {at_once} at once with --parallel {parallel}"]  # fmt: skip
+    lines += [
+        "",
+        f"total: {len(runs)} runs, {episodes} training episodes, at most {steps} environment steps",
+        f"devices: {devices} per run, {at_once} at once with --parallel {parallel}",
+    ]
     if None in hours:
         lines.append(f"GPU hours: not estimated (only for {', '.join(estimate.PAPER_MODELS)})")
     else:
@@ -196,8 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     if any(study.read_records(run.directory) for run in plan.runs()):
         write_report(plan)
     if failed:
-        sys.exit(f"{len(failed)} of {len(plan.runs())} runs did not finish ({', '.join(failed)}): "
-                 "run the same command again to resume them")  # fmt: skip
+        sys.exit(
+            f"{len(failed)} of {len(plan.runs())} runs did not finish ({', '.join(failed)}): "
+            "run the same command again to resume them"
+        )
 
 
 if __name__ == "__main__":

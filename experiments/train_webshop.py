@@ -1,7 +1,7 @@
 """Train an agent on WebShop (offline, text mode) with ORSD, GRPO, GiGPO or an ORSD ablation.
 
-    python -m experiments.train_webshop --preset tiny --data-dir PATH   # official 1000-product files
-    python -m experiments.train_webshop --preset paper-qwen3-4b --dry-run
+python -m experiments.train_webshop --preset tiny --data-dir PATH   # official 1000-product files
+python -m experiments.train_webshop --preset paper-qwen3-4b --dry-run
 """
 
 from experiments import common

@@ -18,8 +18,8 @@ import time
 
 from experiments.common import task_types
 from orsd_jax.rollout import RolloutConfig
-from orsd_jax.warmstart import WarmStartConfig, WarmStartRun, run_warmstart
 from orsd_jax.train_step import OptimizerConfig
+from orsd_jax.warmstart import WarmStartConfig, WarmStartRun, run_warmstart
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,7 +30,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--difficulty", default="easy", choices=["easy", "standard", "hard"])
     p.add_argument("--games-seed", type=int, default=0)
     p.add_argument("--demo-games", type=int, default=120, help="train games to demonstrate")
-    p.add_argument("--task-types", type=task_types, default=(), help="task types to demonstrate and evaluate, comma-separated (default: all)")
+    p.add_argument(
+        "--task-types",
+        type=task_types,
+        default=(),
+        help="task types to demonstrate and evaluate, comma-separated (default: all)",
+    )
     p.add_argument("--max-detours", type=int, default=2, help="random visits before the plan (exploration)")
     p.add_argument("--reasoning", action="store_true", help="a reasoning sentence in <think> (default: empty)")
     p.add_argument("--frozen-layers", type=int, default=0, help="train only the layers above this many")
@@ -58,8 +63,11 @@ def main(argv: list[str] | None = None) -> None:
         reasoning=args.reasoning,
         frozen_layers=args.frozen_layers,
         rollout=rollout,
-        train=WarmStartConfig(epochs=args.epochs, batch_size=args.batch_size,
-                              optimizer=OptimizerConfig(learning_rate=args.lr, weight_decay=0.0)),
+        train=WarmStartConfig(
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            optimizer=OptimizerConfig(learning_rate=args.lr, weight_decay=0.0),
+        ),
     )
     out = pathlib.Path(args.out)
     started = time.perf_counter()
@@ -73,7 +81,13 @@ def main(argv: list[str] | None = None) -> None:
         root = default_games(run.difficulty, run.games_seed, run.train_games, run.eval_games)
         tasks = load_split(root, "valid_seen", args.task_types)[: args.eval_games]
         eval_rollout = dataclasses.replace(rollout, temperature=args.eval_temperature)
-        suite = EnvSuite("alfworld", functools.partial(AlfworldEnv, max_steps=rollout.max_steps), build_prompt, (), {"valid_seen": tuple(tasks)})
+        suite = EnvSuite(
+            "alfworld",
+            functools.partial(AlfworldEnv, max_steps=rollout.max_steps),
+            build_prompt,
+            (),
+            {"valid_seen": tuple(tasks)},
+        )
         summary = evaluate_policy(policy, suite, tasks, eval_rollout, out, args.sampler, "warm start")
         info = json.loads((out / "warmstart.json").read_text())
         (out / "warmstart.json").write_text(json.dumps(info | {"eval": summary}, indent=2))

@@ -11,7 +11,7 @@ standard deviation, and a group whose values are all equal (a group of one inclu
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -206,7 +206,10 @@ def penalised(step: Step, rule: str) -> bool:
 def returns(group: Group, config: AdvantageConfig) -> np.ndarray:
     """``float[G]``: each trajectory's outcome reward minus the penalties of its invalid answers."""
     return np.array(
-        [t.reward - config.invalid_penalty * sum(penalised(s, config.invalid) for s in t.steps) for t in group.trajectories]
+        [
+            t.reward - config.invalid_penalty * sum(penalised(s, config.invalid) for s in t.steps)
+            for t in group.trajectories
+        ]
     )
 
 
@@ -221,16 +224,24 @@ def step_advantages(groups: Sequence[Group], method: str, config: AdvantageConfi
     ``method == "gigpo"``, GRPO's otherwise (ORSD corrects GRPO's per token later)."""
     if config.normalize_std is None:
         raise ValueError("AdvantageConfig.normalize_std is unresolved: use TrainConfig.resolved()")
-    rows = [(g, t, s) for g, group in enumerate(groups) for t, traj in enumerate(group.trajectories) for s in traj.steps]
+    rows = [
+        (g, t, s) for g, group in enumerate(groups) for t, traj in enumerate(group.trajectories) for s in traj.steps
+    ]
     group_ids = np.array([g for g, _, _ in rows])
     traj_ids = _group_index([(g, t) for g, t, _ in rows])
     penalties = np.array([config.invalid_penalty * penalised(s, config.invalid) for _, _, s in rows])
     options = dict(normalize_std=config.normalize_std, across_steps=config.across_steps)
     if method == "gigpo":
         flat = gigpo_advantages(
-            np.array([s.reward for _, _, s in rows]), group_ids, traj_ids, [s.observation for _, _, s in rows],
-            penalties=penalties, gamma=config.gamma, omega=config.omega, **options,
-        )  # fmt: skip
+            np.array([s.reward for _, _, s in rows]),
+            group_ids,
+            traj_ids,
+            [s.observation for _, _, s in rows],
+            penalties=penalties,
+            gamma=config.gamma,
+            omega=config.omega,
+            **options,
+        )
     else:
         outcomes = np.array([groups[g].trajectories[t].reward for g, t, _ in rows])
         flat = episode_advantages(outcomes, penalties, group_ids, traj_ids, **options)

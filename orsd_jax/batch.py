@@ -42,7 +42,7 @@ length (two-stream only, padded the same), Y response length (padded to
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.struct
 import jax
@@ -153,7 +153,9 @@ def _two_streams(s: StepSample) -> _Segment:
         return _Segment(tokens, list(range(len(tokens))), branch, without_index, without_index)
     rubric = [*s.insert, *s.tail, *s.response]
     with_index = [r + st + j - 1 for j in range(y)]
-    return _Segment(tokens, list(range(len(tokens))), branch, without_index, with_index, rubric, list(range(p, p + len(rubric))))
+    return _Segment(
+        tokens, list(range(len(tokens))), branch, without_index, with_index, rubric, list(range(p, p + len(rubric)))
+    )
 
 
 def _pack(s: StepSample) -> _Segment:
@@ -249,8 +251,12 @@ def build_batch(
     positions = np.zeros((r, t), np.int32)
     branch = np.full((r, t), PAD, np.int32)
     segment = np.full((r, t), PAD, np.int32)
-    rubric = {"rubric_tokens": np.full((r, u), pad_id, np.int32), "rubric_positions": np.zeros((r, u), np.int32),
-              "rubric_branch": np.full((r, u), PAD, np.int32), "rubric_segment": np.full((r, u), PAD, np.int32)}  # fmt: skip
+    rubric = {
+        "rubric_tokens": np.full((r, u), pad_id, np.int32),
+        "rubric_positions": np.zeros((r, u), np.int32),
+        "rubric_branch": np.full((r, u), PAD, np.int32),
+        "rubric_segment": np.full((r, u), PAD, np.int32),
+    }
     sample = np.full((b,), -1, np.int32)
     response = np.full((b, y), pad_id, np.int32)
     with_index = np.zeros((b, y), np.int32)
@@ -263,7 +269,11 @@ def build_batch(
         at, at_rubric = 0, 0  # where the next segment starts in the row and in its with-rubric stream
         for slot, i in enumerate(indices):
             s, g, n = samples[i], segments[i], len(segments[i].tokens)
-            tokens[row, at : at + n], positions[row, at : at + n], branch[row, at : at + n] = g.tokens, g.positions, g.branch
+            tokens[row, at : at + n], positions[row, at : at + n], branch[row, at : at + n] = (
+                g.tokens,
+                g.positions,
+                g.branch,
+            )
             segment[row, at : at + n] = slot
             j, m = row * k + slot, len(s.response)
             sample[j], response[j, :m], mask[j, :m] = i, s.response, 1.0

@@ -17,7 +17,7 @@ default system prompt when none is given, and pre-fills nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 _SENTINEL = "\u2063ORSD_USER_TEXT\u2063"
 
@@ -34,9 +34,7 @@ def chat_format(tokenizer, *, system: str | None = None, thinking: bool = False)
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": _SENTINEL}
     ]
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
-    )
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
     if text.count(_SENTINEL) != 1:
         raise ValueError("the tokenizer's chat template does not place the user text exactly once")
     head, tail = text.split(_SENTINEL)

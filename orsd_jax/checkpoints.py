@@ -33,7 +33,9 @@ class Checkpoints:
 
     def save(self, update: int, state: Any, meta: dict) -> None:
         """Saves ``state`` (a pytree of arrays) and ``meta`` (JSON) as checkpoint ``update``."""
-        self._manager.save(update, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        self._manager.save(
+            update, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        )
         self._manager.wait_until_finished()
 
     def steps(self) -> list[int]:
@@ -50,13 +52,20 @@ class Checkpoints:
             try:
                 restored = self._manager.restore(
                     update,
-                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                    ),
                 )
                 state, meta = restored["state"], restored["meta"]
                 jax.block_until_ready(state)
             except Exception as err:  # damaged or partial files: fall back to an older checkpoint
-                log.warning("checkpoint %d in %s is unreadable (%s: %s); trying an older one",
-                            update, self.directory, type(err).__name__, str(err).splitlines()[0][:200])
+                log.warning(
+                    "checkpoint %d in %s is unreadable (%s: %s); trying an older one",
+                    update,
+                    self.directory,
+                    type(err).__name__,
+                    str(err).splitlines()[0][:200],
+                )
                 continue
             # The damaged ones after it go: Orbax skips a save whose step is not newer than the
             # latest it lists, so the redone updates would otherwise never be saved again.

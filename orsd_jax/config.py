@@ -34,6 +34,10 @@ class EnvConfig:
     difficulty: str = "standard"  # generated ALFWorld games (ignored with $ALFWORLD_DATA)
     games_seed: int = 0
     train_games: int = 200
+    # Play only the first N train tasks (after ``task_types``; None: all): a fixed pool that
+    # recurs every N / n_tasks updates, so that training success measures learning on the same
+    # games rather than which games an update drew (docs/results/study.md).
+    train_pool: int | None = None
     eval_games: int = 50  # generated valid_seen / valid_unseen sizes; WebShop: test goals evaluated
     # Evaluated splits (empty: every split of the environment, ``EVAL_SPLITS``): ALFWorld's
     # valid_seen (in distribution) and valid_unseen (out of distribution), as the paper reports.
@@ -120,13 +124,17 @@ class TrainConfig:
             raise ValueError(f"unknown reward {self.env.reward!r}; expected one of {REWARDS}")
         unknown = set(self.env.eval_splits) - set(EVAL_SPLITS[self.env.name])
         if unknown:
-            raise ValueError(f"unknown {self.env.name} splits {sorted(unknown)}; expected some of {EVAL_SPLITS[self.env.name]}")
+            raise ValueError(
+                f"unknown {self.env.name} splits {sorted(unknown)}; expected some of {EVAL_SPLITS[self.env.name]}"
+            )
         if self.replay not in LAYOUTS:
             raise ValueError(f"unknown replay layout {self.replay!r}; expected one of {LAYOUTS}")
         if self.old_logprobs not in ("sampler", "trainer"):
             raise ValueError(f"old_logprobs must be 'sampler' or 'trainer', got {self.old_logprobs!r}")
         if self.loss.tis_cap is not None and self.old_logprobs != "trainer":
-            raise ValueError("loss.tis_cap weighs the trainer's old log-probs against the sampler's: set old_logprobs='trainer'")
+            raise ValueError(
+                "loss.tis_cap weighs the trainer's old log-probs against the sampler's: set old_logprobs='trainer'"
+            )
         if self.ppo_epochs < 1:
             raise ValueError(f"ppo_epochs must be at least 1, got {self.ppo_epochs}")
         if self.group_size < 2:
@@ -135,7 +143,9 @@ class TrainConfig:
             raise ValueError("rubric.constrained samples under a grammar, which only the vLLM sampler does")
         if self.loss.temperature != self.rollout.temperature:
             # The ratio compares the policy's log-probs with the sampler's, both of the tempered distribution.
-            raise ValueError(f"loss.temperature {self.loss.temperature} must equal rollout.temperature {self.rollout.temperature}")
+            raise ValueError(
+                f"loss.temperature {self.loss.temperature} must equal rollout.temperature {self.rollout.temperature}"
+            )
 
     @property
     def uses_rubrics(self) -> bool:
@@ -149,7 +159,7 @@ class TrainConfig:
     def eval_splits(self) -> tuple[str, ...]:
         return self.env.eval_splits or EVAL_SPLITS[self.env.name]
 
-    def resolved(self) -> "TrainConfig":
+    def resolved(self) -> TrainConfig:
         """The config with the method's implications applied (GRPO/GiGPO: no correction; single: K = 1;
         an unset normalisation: verl-agent's for the method and environment)."""
         c = self
@@ -178,7 +188,9 @@ def _build(kind, value):
         return _build(kinds[0], value) if len(kinds) == 1 else value
     if dataclasses.is_dataclass(kind):
         hints = typing.get_type_hints(kind)
-        return kind(**{f.name: _build(hints[f.name], value[f.name]) for f in dataclasses.fields(kind) if f.name in value})
+        return kind(
+            **{f.name: _build(hints[f.name], value[f.name]) for f in dataclasses.fields(kind) if f.name in value}
+        )
     if typing.get_origin(kind) is tuple:
         return tuple(tuple(v) if isinstance(v, list) else v for v in value)
     return value
@@ -193,8 +205,14 @@ def from_json(text: str) -> TrainConfig:
 _EASY_ROLLOUT = RolloutConfig(max_steps=8, max_prompt_tokens=1024, max_response_tokens=48)
 # A 135M writer rambles and miscounts: it samples under the list grammar, with lines short enough
 # for five of them to fit in 160 tokens.
-_CPU_RUBRIC = RubricConfig(candidates=4, trajectory_budget_tokens=160, max_new_tokens=160, temperature=0.7,
-                           constrained=True, criterion_chars=80)  # fmt: skip
+_CPU_RUBRIC = RubricConfig(
+    candidates=4,
+    trajectory_budget_tokens=160,
+    max_new_tokens=160,
+    temperature=0.7,
+    constrained=True,
+    criterion_chars=80,
+)
 # On held-out look games the warm start answers validly in 90% of steps at 0.7; an earlier one, 75% at 0.7
 # and 41% at 1.0.
 _CPU_TEMPERATURE = 0.7
@@ -246,8 +264,15 @@ def _cpu_demo(env: str) -> TrainConfig:
 
 
 def _tiny(env: str) -> TrainConfig:
-    shape = dict(architecture="llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                 num_kv_heads=2, head_dim=16)  # fmt: skip
+    shape = dict(
+        architecture="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     return TrainConfig(
         preset="tiny",
         env=EnvConfig(name=env, difficulty="easy", train_games=8, eval_games=4),
@@ -286,8 +311,9 @@ def _paper(model: str, env: str) -> TrainConfig:
         n_tasks=8,
         group_size=8,
         updates=300,
-        rollout=RolloutConfig(max_steps=50 if alfworld else 15, max_prompt_tokens=2048 if alfworld else 4096,
-                              max_response_tokens=512),  # fmt: skip
+        rollout=RolloutConfig(
+            max_steps=50 if alfworld else 15, max_prompt_tokens=2048 if alfworld else 4096, max_response_tokens=512
+        ),
         verifier=VerifierSetup(kind="openai", endpoint=DASHSCOPE),
         loss=LossConfig(kl_coef=0.01),  # verl-agent: use_kl_loss, low_var_kl (k3), kl_loss_coef 0.01
         # verl-agent: statistics over step samples, penalties on format failures; normalisation per

@@ -13,10 +13,9 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
-
 
 # Reading a run's records back (``trainer._save_step``): what notebooks and reports show.
 
@@ -113,10 +112,16 @@ def load_credit(run_dir: str | os.PathLike, update: int | None = None, tokenizer
         if r is None:
             groups.append(GroupRecord(g["task"]["description"], rewards, (), (), None, "no rubric stage"))
         else:
-            groups.append(GroupRecord(
-                g["task"]["description"], rewards, tuple(tuple(c["criteria"]) for c in r["candidates"]),
-                tuple(r["correlations"]), r["chosen"], r["reason"],
-            ))  # fmt: skip
+            groups.append(
+                GroupRecord(
+                    g["task"]["description"],
+                    rewards,
+                    tuple(tuple(c["criteria"]) for c in r["candidates"]),
+                    tuple(r["correlations"]),
+                    r["chosen"],
+                    r["reason"],
+                )
+            )
     values: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
     for path in sorted(directory.glob("credit_*.npz")):
         with np.load(path) as data:
@@ -128,9 +133,21 @@ def load_credit(run_dir: str | os.PathLike, update: int | None = None, tokenizer
         group, step = payload["groups"][g], payload["groups"][g]["trajectories"][t]["steps"][s]
         traj, rubric = group["trajectories"][t], groups[g]
         ids = tuple(step["response_ids"])
-        steps.append(StepCredit(
-            g, t, s, rubric.task, step["observation"], step["response"], ids, token_pieces(tokenizer, ids),
-            bool(traj["won"]), float(traj["reward"]),
-            None if rubric.chosen is None else rubric.candidates[rubric.chosen], v, step.get("expert"),
-        ))  # fmt: skip
+        steps.append(
+            StepCredit(
+                g,
+                t,
+                s,
+                rubric.task,
+                step["observation"],
+                step["response"],
+                ids,
+                token_pieces(tokenizer, ids),
+                bool(traj["won"]),
+                float(traj["reward"]),
+                None if rubric.chosen is None else rubric.candidates[rubric.chosen],
+                v,
+                step.get("expert"),
+            )
+        )
     return CreditRecord(update, tuple(groups), tuple(steps))

@@ -9,7 +9,7 @@ blue where reading the rubric makes the token more likely (its advantage rises b
 from __future__ import annotations
 
 import html
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -42,20 +42,24 @@ def _tokens(step: StepCredit, clip: float) -> str:
     v = step.values
     spans = []
     for j, piece in enumerate(step.pieces):
-        tip = (f"token {j}: {step.response_ids[j]}\ngap {v['gap'][j]:+.3f}{' (clipped)' if v['gap_clipped'][j] else ''}\n"
-               f"log p with rubric {v['logp_with'][j]:.3f}, without {v['logp_without'][j]:.3f}\n"
-               f"advantage {v['advantage'][j]:+.3f} -> {v['corrected'][j]:+.3f}")  # fmt: skip
+        tip = (
+            f"token {j}: {step.response_ids[j]}\ngap {v['gap'][j]:+.3f}{' (clipped)' if v['gap_clipped'][j] else ''}\n"
+            f"log p with rubric {v['logp_with'][j]:.3f}, without {v['logp_without'][j]:.3f}\n"
+            f"advantage {v['advantage'][j]:+.3f} -> {v['corrected'][j]:+.3f}"
+        )
         style = f"background: {gap_colour(float(v['gap'][j]), clip)}"
         spans.append(f'<span class="tok" style="{style}" title="{html.escape(tip)}">{html.escape(piece)}</span>')
     return "".join(spans)
 
 
 def _group(g: int, group: GroupRecord, steps: Sequence[StepCredit], clip: float) -> str:
-    parts = [f'<section class="group"><h2>Group {g}: {html.escape(group.task)}</h2>',
-             f"<p>Returns (outcome reward minus invalid-answer penalties): {', '.join(f'{r:g}' for r in group.rewards)}</p>"]  # fmt: skip
+    parts = [
+        f'<section class="group"><h2>Group {g}: {html.escape(group.task)}</h2>',
+        f"<p>Returns (outcome reward minus invalid-answer penalties): {', '.join(f'{r:g}' for r in group.rewards)}</p>",
+    ]
     if group.chosen is not None:
         rho = group.correlations[group.chosen]
-        parts.append(f"<p>Selected rubric (bundle {group.chosen}, Spearman {rho:+.3f}):</p><ol class=\"criteria\">")
+        parts.append(f'<p>Selected rubric (bundle {group.chosen}, Spearman {rho:+.3f}):</p><ol class="criteria">')
         parts += [f"<li>{html.escape(c)}</li>" for c in group.candidates[group.chosen]]
         parts.append("</ol>")
     else:
@@ -70,8 +74,10 @@ def _group(g: int, group: GroupRecord, steps: Sequence[StepCredit], clip: float)
     for t in sorted({s.trajectory for s in steps}):
         traj = [s for s in steps if s.trajectory == t]
         outcome = "won" if traj[0].won else "lost"
-        parts.append(f'<h3>Trajectory {t}: <span class="{outcome}">{outcome}</span>, reward {traj[0].reward:g}, '
-                     f"advantage {traj[0].values['advantage'][0]:+.3f}</h3>")  # fmt: skip
+        parts.append(
+            f'<h3>Trajectory {t}: <span class="{outcome}">{outcome}</span>, reward {traj[0].reward:g}, '
+            f"advantage {traj[0].values['advantage'][0]:+.3f}</h3>"
+        )
         for s in traj:
             v = s.values
             corrected_mean = float(np.mean(v["corrected"])) if len(v["corrected"]) else 0.0
@@ -90,27 +96,32 @@ def _expert_mark(expert: bool | None) -> str:
     """The planner's verdict on the step's action, when known."""
     if expert is None:
         return ""
-    return ' <span class="expert">(expert step)</span>' if expert else ' <span class="detour">(not an expert step)</span>'
+    return (
+        ' <span class="expert">(expert step)</span>' if expert else ' <span class="detour">(not an expert step)</span>'
+    )
 
 
 # Every text on the page is the environment's or the model's: escaped, and should anything slip
 # through, no script, frame, form or remote resource runs or loads (``tests/test_credit.py``).
-_CSP = ("<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
-        "base-uri 'none'; form-action 'none'\">")  # fmt: skip
+_CSP = (
+    "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
+    "base-uri 'none'; form-action 'none'\">"
+)
 
 
 def render(record: CreditRecord, clip: float, title: str = "") -> str:
     """The page for ``record``; ``clip`` is the loss's gap clip ``c`` (full colour at ``|gap| >= c``)."""
-    legend = (f'<p class="legend">Token colour = log-likelihood gap with the rubric: '
-              f'<span style="background: {gap_colour(clip, clip)}">+{clip:g} (rubric raises the token)</span>'
-              f'<span style="background: {gap_colour(0.3 * clip, clip)}">+{0.3 * clip:g}</span>'
-              f'<span style="background: {gap_colour(-0.3 * clip, clip)}">-{0.3 * clip:g}</span>'
-              f'<span style="background: {gap_colour(-clip, clip)}">-{clip:g} (rubric lowers it)</span>. '
-              "Hover a token for its values.</p>")  # fmt: skip
+    legend = (
+        f'<p class="legend">Token colour = log-likelihood gap with the rubric: '
+        f'<span style="background: {gap_colour(clip, clip)}">+{clip:g} (rubric raises the token)</span>'
+        f'<span style="background: {gap_colour(0.3 * clip, clip)}">+{0.3 * clip:g}</span>'
+        f'<span style="background: {gap_colour(-0.3 * clip, clip)}">-{0.3 * clip:g}</span>'
+        f'<span style="background: {gap_colour(-clip, clip)}">-{clip:g} (rubric lowers it)</span>. '
+        "Hover a token for its values.</p>"
+    )
     heading = html.escape(title or f"Per-token credit, update {record.update}")
-    body = [
-        _group(g, group, [s for s in record.steps if s.group == g], clip)
-        for g, group in enumerate(record.groups)
-    ]
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\">{_CSP}<title>{heading}</title><style>{_STYLE}</style></head>"
-            f"<body><h1>{heading}</h1>{legend}\n" + "\n".join(body) + "\n</body></html>\n")  # fmt: skip
+    body = [_group(g, group, [s for s in record.steps if s.group == g], clip) for g, group in enumerate(record.groups)]
+    return (
+        f'<!doctype html>\n<html><head><meta charset="utf-8">{_CSP}<title>{heading}</title><style>{_STYLE}</style></head>'
+        f"<body><h1>{heading}</h1>{legend}\n" + "\n".join(body) + "\n</body></html>\n"
+    )

@@ -18,7 +18,7 @@ import json
 import os
 import random
 import re
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from orsd_jax import chat
 from orsd_jax.envs.base import EnvStep, Task, TextEnv
@@ -52,7 +52,9 @@ def demo_answer(task_description: str, command: str, reasoning: bool = True) -> 
     """``<think>why</think><action>command</action>``; the why is built from the task and command."""
     if not reasoning:
         return f"<think></think><action>{command}</action>"
-    why = next((template.format(*m.groups()) for pattern, template in _REASONS if (m := pattern.fullmatch(command))), "")
+    why = next(
+        (template.format(*m.groups()) for pattern, template in _REASONS if (m := pattern.fullmatch(command))), ""
+    )
     return f"<think>My task is to {task_description}. {why}".rstrip() + f"</think><action>{command}</action>"
 
 
@@ -77,8 +79,16 @@ def record_episode(
         if current.done:
             break
         text, ids, _ = fit_prompt(
-            build_prompt, fmt, tokenizer, config.max_prompt_tokens, task, current.observation,
-            current.admissible_actions, history, len(history), config.history_length,
+            build_prompt,
+            fmt,
+            tokenizer,
+            config.max_prompt_tokens,
+            task,
+            current.observation,
+            current.admissible_actions,
+            history,
+            len(history),
+            config.history_length,
         )
         records.append((text, ids, action, current.observation))
         history.append((current.observation, action))
@@ -107,12 +117,19 @@ def walkthrough_demos(
         rng = random.Random(f"{seed}/{index}")  # not the key: a game's key is its path on this machine
         plan = walkthrough(task)
         records = record_episode(
-            env, task, lambda first: with_detours(plan, first, rng, max_detours), config, build_prompt,
-            tokenizer=tokenizer, fmt=fmt,
+            env,
+            task,
+            lambda first, plan=plan, rng=rng: with_detours(plan, first, rng, max_detours),
+            config,
+            build_prompt,
+            tokenizer=tokenizer,
+            fmt=fmt,
         )
         for step, (text, ids, command, _) in enumerate(records):
             answer = demo_answer(task.description, command, reasoning)
-            demos.append(Demonstration(task.key, step, text, tuple(ids), answer, tuple(chat.encode(tokenizer, answer) + end)))
+            demos.append(
+                Demonstration(task.key, step, text, tuple(ids), answer, tuple(chat.encode(tokenizer, answer) + end))
+            )
     return demos
 
 
@@ -134,4 +151,3 @@ def write_jsonl(demos: Sequence[Demonstration], path: str | os.PathLike) -> None
     with open(path, "w") as f:
         for demo in demos:
             f.write(json.dumps(dataclasses.asdict(demo)) + "\n")
-

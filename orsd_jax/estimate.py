@@ -34,10 +34,30 @@ from orsd_jax.models.decoder import query_blocks
 GB = 1e9
 
 # The paper's models (Hugging Face config.json of Qwen/Qwen3-1.7B and Qwen/Qwen3-4B).
-QWEN3_1_7B = ModelConfig("qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
-                         num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True)  # fmt: skip
-QWEN3_4B = ModelConfig("qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36,
-                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True)  # fmt: skip
+QWEN3_1_7B = ModelConfig(
+    "qwen3",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
+QWEN3_4B = ModelConfig(
+    "qwen3",
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
 PAPER_MODELS = {"Qwen/Qwen3-1.7B": QWEN3_1_7B, "Qwen/Qwen3-4B": QWEN3_4B}  # planned without their weights
 
 
@@ -75,7 +95,9 @@ def train_flops(c: ModelConfig, rows: int, seq_len: int, head_positions: int) ->
     layers (``c.frozen_layers``) run forward only."""
     frozen = dataclasses.replace(c, num_layers=c.frozen_layers, frozen_layers=0)
     trained = dataclasses.replace(c, num_layers=c.num_layers - c.frozen_layers, frozen_layers=0)
-    return forward_flops(frozen, rows, seq_len, 0) + (4 if c.remat else 3) * forward_flops(trained, rows, seq_len, head_positions)
+    return forward_flops(frozen, rows, seq_len, 0) + (4 if c.remat else 3) * forward_flops(
+        trained, rows, seq_len, head_positions
+    )
 
 
 def step_flops(c: ModelConfig, batch) -> float:
@@ -182,17 +204,21 @@ PAPER_SHAPE = dict(seq_len=2048 + 256 + 2 * (8 + 512), response_len=512)
 def _report() -> None:
     print("GB per device on 4 x A100 80GB: float32 parameters, gradients and AdamW moments, bfloat16 compute,")
     print(f"64 packed rows of {PAPER_SHAPE['seq_len']} tokens per update in 16 micro-batches (one row per device each)")
-    print(f"{'model':<11} {'layout':<11} {'remat':<5} {'params':>6} {'grads':>6} {'adam':>6} {'accum':>6} "
-          f"{'acts':>6} {'total':>6}  fits")  # fmt: skip
+    print(
+        f"{'model':<11} {'layout':<11} {'remat':<5} {'params':>6} {'grads':>6} {'adam':>6} {'accum':>6} "
+        f"{'acts':>6} {'total':>6}  fits"
+    )
     for name, config in [("Qwen3-1.7B", QWEN3_1_7B), ("Qwen3-4B", QWEN3_4B)]:
         for fsdp in (False, True):
             for remat in (False, True):
                 c = dataclasses.replace(config, compute_dtype="bfloat16", remat=remat)
-                e = estimate(c, rows=64, devices=4, micro_batches=16,
-                             fsdp=fsdp, **PAPER_SHAPE)  # fmt: skip
+                e = estimate(c, rows=64, devices=4, micro_batches=16, fsdp=fsdp, **PAPER_SHAPE)
                 parts = [e.param_bytes, e.grad_bytes, e.optimizer_bytes, e.accumulator_bytes, e.activation_bytes]
-                print(f"{name:<11} {'FSDP' if fsdp else 'replicated':<11} {str(remat):<5} "
-                      + " ".join(f"{x / GB:6.1f}" for x in parts) + f" {e.total_bytes / GB:6.1f}  {e.fits}")  # fmt: skip
+                print(
+                    f"{name:<11} {'FSDP' if fsdp else 'replicated':<11} {str(remat):<5} "
+                    + " ".join(f"{x / GB:6.1f}" for x in parts)
+                    + f" {e.total_bytes / GB:6.1f}  {e.fits}"
+                )
 
 
 if __name__ == "__main__":

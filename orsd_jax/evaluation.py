@@ -12,7 +12,7 @@ import csv
 import dataclasses
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from orsd_jax import chat
 from orsd_jax.envs.alfworld.metrics import success_markdown, success_table
@@ -62,7 +62,9 @@ def sweep(
 
 def _episode(t: Trajectory) -> Episode:
     transcript = tuple((s.observation, s.response_text, s.valid) for s in t.steps)
-    return Episode(t.task.key, t.task.task_type, t.won, t.score, len(t.steps), sum(s.valid for s in t.steps), transcript)
+    return Episode(
+        t.task.key, t.task.task_type, t.won, t.score, len(t.steps), sum(s.valid for s in t.steps), transcript
+    )
 
 
 def summary(env: str, episodes: Sequence[Episode]) -> dict[str, float]:
@@ -82,7 +84,9 @@ def markdown(env: str, episodes: Sequence[Episode], title: str) -> str:
         table = success_markdown(((e.task_type, e.won) for e in episodes), title)
     else:
         s = summary(env, episodes)
-        table = f"| | Score | Success (%) |\n|---|---:|---:|\n| {title} | {s['score']:.1f} | {100 * s['success/All']:.1f} |"
+        table = (
+            f"| | Score | Success (%) |\n|---|---:|---:|\n| {title} | {s['score']:.1f} | {100 * s['success/All']:.1f} |"
+        )
     rate = summary(env, episodes)["valid_step_rate"]
     return f"{table}\n\nValid answers: {100 * rate:.1f}% of {sum(e.steps for e in episodes)} steps."
 

@@ -76,7 +76,9 @@ def response_logprobs(
         batch.tokens, batch.positions, mask=mask, frozen=batch.frozen, keys_values=keys_values
     )
     options = dict(temperature=temperature, chunk_size=chunk_size)
-    logp_without, entropy = slot_logprobs(model, hidden, batch.without_index, batch.response, with_entropy=True, **options)
+    logp_without, entropy = slot_logprobs(
+        model, hidden, batch.without_index, batch.response, with_entropy=True, **options
+    )
     if not with_rubric:
         return None, logp_without, entropy
     if keys_values:
@@ -87,8 +89,9 @@ def response_logprobs(
         t, u = batch.tokens.shape[1], batch.rubric_tokens.shape[1]
         cache = KVCache(*(jnp.pad(x, ((0, 0), (0, 0), (0, u), (0, 0), (0, 0))) for x in prefix))  # [L, R, T + U, K, H]
         slots = jnp.broadcast_to(t + jnp.arange(u, dtype=jnp.int32), batch.rubric_tokens.shape)
-        hidden, _ = model.hidden_states(batch.rubric_tokens, batch.rubric_positions, mask=rubric_attention_mask(batch),
-                                        cache=cache, slots=slots)  # fmt: skip
+        hidden, _ = model.hidden_states(
+            batch.rubric_tokens, batch.rubric_positions, mask=rubric_attention_mask(batch), cache=cache, slots=slots
+        )
     logp_with, _ = slot_logprobs(model, hidden, batch.with_index, batch.response, **options)
     return jax.lax.stop_gradient(logp_with), logp_without, entropy
 
@@ -120,7 +123,9 @@ def logprobs_at(
     """Log-probs ``[B, N]`` of ``targets [B, N]`` predicted by the packed rows' positions
     ``index [B, N]`` of ``hidden [B, T, D]``: the LM head runs at those positions only."""
     h = jnp.take_along_axis(hidden, index[..., None], axis=1)
-    return model.logprobs_from_hidden(h, targets, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy)
+    return model.logprobs_from_hidden(
+        h, targets, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy
+    )
 
 
 def _k3(log_ratio: jax.Array) -> jax.Array:
@@ -157,8 +162,10 @@ def policy_loss(
         if batch.sampler_logp is None:
             raise ValueError("tis_cap needs the sampler's log-probs beside the trainer's (StepSample.sampler_logprobs)")
         weight = jnp.exp(jnp.clip(batch.old_logp - batch.sampler_logp, -20.0, 20.0))
-        sums |= {"tis_weight": jnp.sum(jnp.minimum(weight, config.tis_cap) * mask),
-                 "tis_capped": jnp.sum((weight > config.tis_cap) * mask)}  # fmt: skip
+        sums |= {
+            "tis_weight": jnp.sum(jnp.minimum(weight, config.tis_cap) * mask),
+            "tis_capped": jnp.sum((weight > config.tis_cap) * mask),
+        }
         per_token = per_token * jnp.minimum(weight, config.tis_cap)
     sums |= {
         "clipped": jnp.sum((clipped > unclipped) * mask),
@@ -167,8 +174,10 @@ def policy_loss(
     }
     if config.kl_coef:
         if batch.ref_logp is None:
-            raise ValueError("kl_coef > 0 needs reference log-probs: a reference model (make_train_step("
-                             "with_reference=True)) or StepSample.ref_logprobs")  # fmt: skip
+            raise ValueError(
+                "kl_coef > 0 needs reference log-probs: a reference model (make_train_step("
+                "with_reference=True)) or StepSample.ref_logprobs"
+            )
         ref_kl = jnp.clip(_k3(jnp.clip(batch.ref_logp - logp, -20.0, 20.0)), -10.0, 10.0)
         per_token = per_token + config.kl_coef * ref_kl
         sums["ref_kl"] = jnp.sum(jax.lax.stop_gradient(ref_kl) * mask)

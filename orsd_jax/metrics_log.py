@@ -9,7 +9,8 @@ import math
 import os
 import pathlib
 import sys
-from typing import Iterable, TypeVar
+from collections.abc import Iterable
+from typing import TypeVar
 
 from tqdm import tqdm
 
@@ -43,7 +44,9 @@ class MetricsLog:
 
     def write(self, update: int, metrics: dict[str, float], final: bool = False) -> None:
         record = {"update": update, **({"final": True} if final else {}), **metrics}
-        self._file.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}) + "\n")
+        self._file.write(
+            json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}) + "\n"
+        )
         self._file.flush()
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and not math.isnan(value):

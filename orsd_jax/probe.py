@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -101,14 +101,25 @@ def _branch_logprobs(graphdef, params, tokens, positions, branch, index, tempera
     model = nnx.merge(graphdef, params)
     hidden, _ = model.hidden_states(tokens, positions, mask=tree_attention_mask(branch))
     b, k, y = index.shape
-    logp, _ = slot_logprobs(model, hidden, index.reshape(b * k, y), targets.reshape(b * k, y),
-                            temperature=temperature, chunk_size=chunk_size)  # fmt: skip
+    logp, _ = slot_logprobs(
+        model,
+        hidden,
+        index.reshape(b * k, y),
+        targets.reshape(b * k, y),
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )
     return logp.reshape(b, k, y)
 
 
 def branch_logprobs(
-    model, rows: Sequence[tuple[Sequence[int], Sequence[Branch]]], *, temperature: float = 1.0, chunk_size: int = 64,
-    rows_per_call: int = 4, branch_multiple: int = 1,
+    model,
+    rows: Sequence[tuple[Sequence[int], Sequence[Branch]]],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 64,
+    rows_per_call: int = 4,
+    branch_multiple: int = 1,
 ) -> list[list[np.ndarray]]:
     """Per row, per branch, ``float32[len(response)]``: the log-probs of the branch's response."""
     graphdef, params = nnx.split(model)
@@ -117,8 +128,19 @@ def branch_logprobs(
         chunk = list(rows[start : start + rows_per_call])
         padded = chunk + [chunk[-1]] * (rows_per_call - len(chunk))  # one shape per bucket
         packed = pack_branches(padded, branch_multiple=branch_multiple)
-        logp = np.asarray(_branch_logprobs(graphdef, params, packed.tokens, packed.positions, packed.branch,
-                                           packed.index, temperature, chunk_size, packed.targets))  # fmt: skip
+        logp = np.asarray(
+            _branch_logprobs(
+                graphdef,
+                params,
+                packed.tokens,
+                packed.positions,
+                packed.branch,
+                packed.index,
+                temperature,
+                chunk_size,
+                packed.targets,
+            )
+        )
         for i, (_, branches) in enumerate(chunk):
             out.append([logp[i, b, : len(r)] for b, (_, r) in enumerate(branches)])
     return out
@@ -185,8 +207,14 @@ def _mean(values: np.ndarray, where: np.ndarray) -> float:
 
 
 def summarise(
-    steps: Sequence[ProbeStep], states: Sequence[ProbeState], sources: Sequence[str], *, coef: float, clip: float,
-    n_boot: int = 2000, seed: int = 0,
+    steps: Sequence[ProbeStep],
+    states: Sequence[ProbeState],
+    sources: Sequence[str],
+    *,
+    coef: float,
+    clip: float,
+    n_boot: int = 2000,
+    seed: int = 0,
 ) -> list[dict[str, float | str]]:
     """One row per source: the pooled AUCs with 95% intervals over games, mean gaps, sign flips,
     the gap's correlation with the outcome, format-token gaps, and the within-state measures."""
@@ -217,7 +245,9 @@ def summarise(
         advantage = np.concatenate([np.full(len(s.classes), s.advantage) for s in have])
         corrected = advantage + coef * np.clip(tokens, -clip, clip)
         signed = advantage != 0
-        row["sign_flips"] = float(np.mean(np.sign(corrected[signed]) != np.sign(advantage[signed]))) if signed.any() else float("nan")
+        row["sign_flips"] = (
+            float(np.mean(np.sign(corrected[signed]) != np.sign(advantage[signed]))) if signed.any() else float("nan")
+        )
         trajectories: dict[tuple[str, int], list[int]] = {}
         for i, s in enumerate(have):
             trajectories.setdefault((s.game, s.trajectory), []).append(i)
@@ -237,4 +267,3 @@ def summarise(
             row["within_state_auc"] = within_state_auc(scores, marks, ids)
         out.append(row)
     return out
-

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from orsd_jax import chat
 from orsd_jax.envs.actions import parse_action
@@ -170,14 +170,24 @@ def collect_groups(
             break
         prompts = [
             fit_prompt(
-                build_prompt, fmt, tokenizer, config.max_prompt_tokens, task_of[i], current[i].observation,
-                current[i].admissible_actions, history[i], len(steps[i]), config.history_length,
+                build_prompt,
+                fmt,
+                tokenizer,
+                config.max_prompt_tokens,
+                task_of[i],
+                current[i].observation,
+                current[i].admissible_actions,
+                history[i],
+                len(steps[i]),
+                config.history_length,
             )
             for i in live
         ]
         t0 = time.perf_counter()
         # One seed per turn; samplers draw independent samples for the prompts of one call.
-        completions = sampler.generate([ids for _, ids, _ in prompts], dataclasses.replace(params, seed=seed * 1000 + turn))
+        completions = sampler.generate(
+            [ids for _, ids, _ in prompts], dataclasses.replace(params, seed=seed * 1000 + turn)
+        )
         sampler_seconds += time.perf_counter() - t0
         # The answer starts with what the chat template pre-filled (Qwen3's empty think block).
         parsed = [parse_action(fmt.prefill + c.text, current[i].admissible_actions) for i, c in zip(live, completions)]

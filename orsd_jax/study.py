@@ -246,7 +246,9 @@ def run_flops(model: ModelConfig, config: TrainConfig) -> float:
     tokens, y = r.max_prompt_tokens + r.max_response_tokens, r.max_response_tokens
     samples = c.n_tasks * c.group_size * r.max_steps  # step samples per update
     forwards = 1 + bool(c.loss.kl_coef) + (c.old_logprobs == "trainer")  # rollout, reference, old log-probs
-    per_update = forwards * forward_flops(model, samples, tokens, y) + c.ppo_epochs * train_flops(model, samples, tokens, y)
+    per_update = forwards * forward_flops(model, samples, tokens, y) + c.ppo_epochs * train_flops(
+        model, samples, tokens, y
+    )
     if c.uses_rubrics:
         rubric = c.rubric.max_new_tokens  # the with-rubric stream: the rubric, then the response
         per_update += c.ppo_epochs * forward_flops(model, samples, rubric + y, y, keys=tokens + rubric)
@@ -314,16 +316,20 @@ def eval_splits(finals: Iterable[dict]) -> list[str]:
     return list(dict.fromkeys(k.split("/")[1] for f in finals for k in f if k.startswith("eval/")))
 
 
-def method_table(finals: Mapping[RunSpec, dict], methods: Sequence[str], columns: Mapping[str, str],
-                 paired: bool = False) -> list[str]:  # fmt: skip
+def method_table(
+    finals: Mapping[RunSpec, dict], methods: Sequence[str], columns: Mapping[str, str], paired: bool = False
+) -> list[str]:
     """Rows: methods; columns: title -> final metric, each cell the mean [interval] over seeds in percent
     (``paired``: of the difference to the baseline's run of the same seed)."""
     stats = []
     for key in columns.values():
         values = {run: f[key] for run, f in finals.items() if f.get(key) is not None}
         stats.append(paired_differences(values) if paired else by_method(values))
-    rows = [[m, str(max((s[m].n for s in stats if m in s), default=0)), *(_cell(s.get(m)) for s in stats)]
-            for m in methods if not (paired and m == BASELINE)]  # fmt: skip
+    rows = [
+        [m, str(max((s[m].n for s in stats if m in s), default=0)), *(_cell(s.get(m)) for s in stats)]
+        for m in methods
+        if not (paired and m == BASELINE)
+    ]
     return _table(["method", "pairs" if paired else "seeds", *columns], rows)
 
 
@@ -356,12 +362,22 @@ def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], e
     rows = []
     for run, rs in records.items():
         b = budget(rs, episodes[run])
-        rows.append([run.name, str(b.updates), str(b.episodes), f"{b.env_steps:.0f}", f"{b.generated_tokens:.0f}",
-                     f"{b.verifier_calls:.0f}", f"{b.update_seconds / 60:.1f}"])  # fmt: skip
-    header = ["run", "updates", "episodes", "env steps", "generated tokens", "verifier calls",
-              "update time (min)"]  # fmt: skip
-    note = ("Summed over training updates from metrics.jsonl (rollout/env_steps, rollout/generated_tokens, verifier/calls, "
-            "time/update); evaluation and start-up are not included.")
+        rows.append(
+            [
+                run.name,
+                str(b.updates),
+                str(b.episodes),
+                f"{b.env_steps:.0f}",
+                f"{b.generated_tokens:.0f}",
+                f"{b.verifier_calls:.0f}",
+                f"{b.update_seconds / 60:.1f}",
+            ]
+        )
+    header = ["run", "updates", "episodes", "env steps", "generated tokens", "verifier calls", "update time (min)"]
+    note = (
+        "Summed over training updates from metrics.jsonl (rollout/env_steps, rollout/generated_tokens, verifier/calls, "
+        "time/update); evaluation and start-up are not included."
+    )
     lines += ["", "## Interaction budget and time per run", "", note, "", *_table(header, rows)]
     return "\n".join(lines) + "\n"
 

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from orsd_jax.batch import Batch
 
@@ -47,7 +49,8 @@ class Loss(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """verl-agent's actor: AdamW, lr 1e-6, weight decay 0.01, gradient norm clipped to 1, constant LR."""
+    """verl-agent's actor: AdamW, lr 1e-6, weight decay 0.01, gradient norm clipped to 1, constant LR
+    (no warmup)."""
 
     learning_rate: float = 1e-6
     weight_decay: float = 0.01
@@ -55,6 +58,10 @@ class OptimizerConfig:
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
+    # The rate rises linearly over the first N optimizer steps (lr (k+1)/N at step k). Adam's first
+    # step moves every parameter by the full rate whatever its gradient's noise: at lr 5e-4 the
+    # cpu-demo's first update broke the answer format (docs/results/study.md, attempt 2).
+    warmup_steps: int = 0
 
 
 def make_optimizer(config: OptimizerConfig = OptimizerConfig(), frozen_layers: int = 0) -> optax.GradientTransformation:
@@ -62,11 +69,17 @@ def make_optimizer(config: OptimizerConfig = OptimizerConfig(), frozen_layers: i
     the embedding and of the first layers are zeroed last, so weight decay does not move them either."""
     chain = [
         optax.clip_by_global_norm(config.grad_clip),
-        optax.adamw(config.learning_rate, config.b1, config.b2, config.eps, weight_decay=config.weight_decay),
+        optax.adamw(learning_rate(config), config.b1, config.b2, config.eps, weight_decay=config.weight_decay),
     ]
     if frozen_layers:
         chain.append(freeze_first_layers(frozen_layers))
     return optax.chain(*chain)
+
+
+def learning_rate(config: OptimizerConfig) -> float | optax.Schedule:
+    if not config.warmup_steps:
+        return config.learning_rate  # a constant keeps the optimizer state of runs without warmup
+    return lambda count: config.learning_rate * jnp.minimum(1.0, (count + 1) / config.warmup_steps)
 
 
 def freeze_first_layers(n: int) -> optax.GradientTransformation:
@@ -242,8 +255,10 @@ def make_train_step(
 
     def call(state: TrainState, batch: Batch, micro_batches: int = 1, reference: nnx.State | None = None):
         if (reference is not None) != with_reference:
-            raise ValueError(f"this step was built with_reference={with_reference}; reference parameters "
-                             f"{'missing' if with_reference else 'given'}")  # fmt: skip
+            raise ValueError(
+                f"this step was built with_reference={with_reference}; reference parameters "
+                f"{'missing' if with_reference else 'given'}"
+            )
         return jitted(state, batch, reference, micro_batches)
 
     return call

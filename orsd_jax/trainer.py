@@ -21,7 +21,7 @@ import os
 import pathlib
 import random
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -61,18 +61,33 @@ def make_suite(config: TrainConfig) -> EnvSuite:
         from orsd_jax.envs import alfworld
 
         root = alfworld.default_games(e.difficulty, e.games_seed, e.train_games, e.eval_games)
-        splits = {split: tuple(alfworld.load_split(root, split, e.task_types)) for split in ("train", *config.eval_splits)}
+        splits = {
+            split: tuple(alfworld.load_split(root, split, e.task_types)) for split in ("train", *config.eval_splits)
+        }
         return EnvSuite(
-            "alfworld", functools.partial(alfworld.AlfworldEnv, max_steps=steps), alfworld.build_prompt,
-            splits.pop("train"), splits,
-        )  # fmt: skip
+            "alfworld",
+            functools.partial(alfworld.AlfworldEnv, max_steps=steps),
+            alfworld.build_prompt,
+            _pool(splits.pop("train"), e.train_pool),
+            splits,
+        )
     from orsd_jax.envs import webshop
 
     return EnvSuite(
-        "webshop", functools.partial(webshop.WebShopEnv, e.data_dir, max_steps=steps, reward=e.reward),
-        webshop.build_prompt, tuple(webshop.load_goals(e.data_dir, "train")),
+        "webshop",
+        functools.partial(webshop.WebShopEnv, e.data_dir, max_steps=steps, reward=e.reward),
+        webshop.build_prompt,
+        _pool(tuple(webshop.load_goals(e.data_dir, "train")), e.train_pool),
         {split: tuple(webshop.load_goals(e.data_dir, split)) for split in config.eval_splits},
-    )  # fmt: skip
+    )
+
+
+def _pool(train: tuple[Task, ...], size: int | None) -> tuple[Task, ...]:
+    if size is None:
+        return train
+    if not 0 < size <= len(train):
+        raise ValueError(f"train_pool={size}: the train split has {len(train)} tasks")
+    return train[:size]
 
 
 def tasks_for_update(train: Sequence[Task], n_tasks: int, seed: int, update: int) -> list[Task]:
@@ -101,10 +116,16 @@ def step_samples(
         insert = tuple(chat.encode(tokenizer, rubric_insert(criteria))) if criteria else ()
         for t, traj in enumerate(group.trajectories):
             for s, step in enumerate(traj.steps):
-                samples.append(StepSample(
-                    prefix=step.prompt_ids[:-tail], tail=step.prompt_ids[-tail:], response=step.response_ids,
-                    old_logprobs=step.logprobs, advantage=float(advantages[g][t][s]), insert=insert,
-                ))  # fmt: skip
+                samples.append(
+                    StepSample(
+                        prefix=step.prompt_ids[:-tail],
+                        tail=step.prompt_ids[-tail:],
+                        response=step.response_ids,
+                        old_logprobs=step.logprobs,
+                        advantage=float(advantages[g][t][s]),
+                        insert=insert,
+                    )
+                )
                 index.append((g, t, s))
     return samples, index
 
@@ -169,7 +190,9 @@ def _make_sampler(config: TrainConfig, directory: pathlib.Path, model: CausalLM,
     from orsd_jax.sampling.vllm_sampler import VLLMSampler
     from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
 
-    server = VLLMServer(directory, ServerOptions(max_model_len=max_len, seed=config.seed), log_path=out / "logs" / "sampler.log")
+    server = VLLMServer(
+        directory, ServerOptions(max_model_len=max_len, seed=config.seed), log_path=out / "logs" / "sampler.log"
+    )
     return VLLMSampler(server, tokenizer, scratch_dir=out / "sampler_weights"), server
 
 
@@ -188,7 +211,9 @@ def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out:
 
     options = ServerOptions(served_model_name="verifier", max_model_len=4096, seed=config.seed, dev_mode=False)
     server = VLLMServer(directory, options, log_path=out / "logs" / "verifier.log")
-    endpoint = VerifierConfig(base_url=f"{server.url}/v1", model="verifier", mode=v.mode, concurrency=8, cache_dir=cache)
+    endpoint = VerifierConfig(
+        base_url=f"{server.url}/v1", model="verifier", mode=v.mode, concurrency=8, cache_dir=cache
+    )
     return OpenAIVerifier(endpoint), server
 
 
@@ -204,23 +229,46 @@ def _save_step(out: pathlib.Path, update: int, advantage: AdvantageConfig, group
         expert = label_groups(groups)
     payload = {
         "groups": [
-            {"task": dataclasses.asdict(g.task), "trajectories": [
-                {"won": t.won, "score": t.score, "reward": t.reward, "return": float(r), "steps": [
-                    {"observation": s.observation, "response": s.response_text, "action": s.action,
-                     "valid": s.valid, "valid_format": s.valid_format, "reward": s.reward,
-                     "response_ids": list(s.response_ids), "expert": e}
-                    for s, e in zip(t.steps, labels)]}
-                for t, r, labels in zip(g.trajectories, returns(g, advantage), experts)]}
+            {
+                "task": dataclasses.asdict(g.task),
+                "trajectories": [
+                    {
+                        "won": t.won,
+                        "score": t.score,
+                        "reward": t.reward,
+                        "return": float(r),
+                        "steps": [
+                            {
+                                "observation": s.observation,
+                                "response": s.response_text,
+                                "action": s.action,
+                                "valid": s.valid,
+                                "valid_format": s.valid_format,
+                                "reward": s.reward,
+                                "response_ids": list(s.response_ids),
+                                "expert": e,
+                            }
+                            for s, e in zip(t.steps, labels)
+                        ],
+                    }
+                    for t, r, labels in zip(g.trajectories, returns(g, advantage), experts)
+                ],
+            }
             for g, experts in zip(groups, expert)
         ],
-        "rubrics": None if rubrics is None else [
-            {"candidates": [{"criteria": list(b.criteria), "reason": b.reason} for b in r.bundles],
-             "satisfaction": np.where(np.isnan(r.satisfaction), None, r.satisfaction).tolist(),
-             "correlations": [None if np.isnan(c) else float(c) for c in r.selection.correlations],
-             "chosen": r.selection.index, "reason": r.selection.reason}
+        "rubrics": None
+        if rubrics is None
+        else [
+            {
+                "candidates": [{"criteria": list(b.criteria), "reason": b.reason} for b in r.bundles],
+                "satisfaction": np.where(np.isnan(r.satisfaction), None, r.satisfaction).tolist(),
+                "correlations": [None if np.isnan(c) else float(c) for c in r.selection.correlations],
+                "chosen": r.selection.index,
+                "reason": r.selection.reason,
+            }
             for r in rubrics
         ],
-    }  # fmt: skip
+    }
     (directory / "step.json").write_text(json.dumps(payload))
     for k, (rows, values, mask) in enumerate(minibatches):
         np.savez_compressed(directory / f"credit_{k}.npz", rows=np.array([index[r] for r in rows]), mask=mask, **values)
@@ -239,7 +287,9 @@ class Run:
         self.fmt = chat.chat_format(self.tokenizer)
         mesh = make_mesh(config.devices)
         if config.minibatch_rows % (mesh.size * config.micro_batches):
-            raise ValueError(f"minibatch_rows {config.minibatch_rows} must divide into {mesh.size} devices x {config.micro_batches} micro-batches")
+            raise ValueError(
+                f"minibatch_rows {config.minibatch_rows} must divide into {mesh.size} devices x {config.micro_batches} micro-batches"
+            )
         optimizer = make_optimizer(config.optimizer, frozen_layers=config.model.frozen_layers)
         self.graphdef, self.state, self.sharding = init_train_state(self.model, optimizer, mesh, config.fsdp)
         # The KL's reference policy: the initial policy's parameters, placed once like the policy's
@@ -248,17 +298,25 @@ class Run:
         # A copy, not an alias: the train step donates (and so frees) the policy's own buffers.
         copy = lambda x, sharding: jax.device_put(jax.numpy.copy(x), sharding)  # noqa: E731
         self.reference = jax.tree.map(copy, self.state.params, self.sharding.params) if with_reference else None
-        self.train_step = make_train_step(OrsdLoss(config.loss), optimizer, self.graphdef, self.sharding, with_reference)
+        self.train_step = make_train_step(
+            OrsdLoss(config.loss), optimizer, self.graphdef, self.sharding, with_reference
+        )
         graphdef, temperature = self.graphdef, config.loss.temperature
-        self.old_logprobs = jax.jit(lambda params, batch: response_logprobs(
-            nnx.merge(graphdef, params), batch, temperature=temperature, with_rubric=False)[1])  # fmt: skip
+        self.old_logprobs = jax.jit(
+            lambda params, batch: response_logprobs(
+                nnx.merge(graphdef, params), batch, temperature=temperature, with_rubric=False
+            )[1]
+        )
         self.checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
         # What the non-policy rubric sources read: the oracle, or the user's file (checked now).
         r = config.rubric
         self.rubric_source = (
-            {"oracle": rubric_sources.oracle_for(config.env.name, config.env.data_dir)} if r.source in ("oracle", "shuffled")
-            else {"rubrics": rubric_sources.load_file(r.source_file)} if r.source == "file" else {}
-        )  # fmt: skip
+            {"oracle": rubric_sources.oracle_for(config.env.name, config.env.data_dir)}
+            if r.source in ("oracle", "shuffled")
+            else {"rubrics": rubric_sources.load_file(r.source_file)}
+            if r.source == "file"
+            else {}
+        )
         self.sampler = self.sampler_server = self.verifier = self.verifier_server = self.pool = None
 
     def start_services(self) -> None:
@@ -267,7 +325,11 @@ class Run:
         c = self.config
         with concurrent.futures.ThreadPoolExecutor(3) as executor:
             sampler = executor.submit(_make_sampler, c, self.initial_dir, self.model, self.tokenizer, self.out)
-            verifier = executor.submit(_make_verifier, c, self.initial_dir, self.tokenizer, self.out) if c.uses_rubrics else None
+            verifier = (
+                executor.submit(_make_verifier, c, self.initial_dir, self.tokenizer, self.out)
+                if c.uses_rubrics
+                else None
+            )
             envs = executor.submit(EnvPool, self.suite.make_env, c.n_tasks * c.group_size, c.env.workers)
         # Keep whatever started, so that close() stops it when another part failed.
         if sampler.exception() is None:
@@ -350,9 +412,18 @@ def minibatch(samples: Sequence[StepSample], config: TrainConfig):
     micro-batches), or one per row (``minibatch_rows`` rows)."""
     if config.pack_rows:
         multiple = (config.devices or jax.device_count()) * config.micro_batches
-        return build_batch(samples, seq_multiple=128, response_multiple=32, batch_multiple=multiple, layout=config.replay,
-                           pack=True, row_tokens=config.row_tokens)  # fmt: skip
-    return build_batch(samples, seq_multiple=128, response_multiple=32, batch_multiple=config.minibatch_rows, layout=config.replay)
+        return build_batch(
+            samples,
+            seq_multiple=128,
+            response_multiple=32,
+            batch_multiple=multiple,
+            layout=config.replay,
+            pack=True,
+            row_tokens=config.row_tokens,
+        )
+    return build_batch(
+        samples, seq_multiple=128, response_multiple=32, batch_multiple=config.minibatch_rows, layout=config.replay
+    )
 
 
 def logprob_mismatch(trainer: np.ndarray, sampler: np.ndarray, mask: np.ndarray) -> dict[str, float]:
@@ -361,8 +432,11 @@ def logprob_mismatch(trainer: np.ndarray, sampler: np.ndarray, mask: np.ndarray)
     p_sampler (1 when they agree; the PPO ratio's value before any update)."""
     real = mask > 0
     diff = (trainer - sampler)[real]
-    return {"logprob_mismatch_mean": float(np.mean(np.abs(diff))), "logprob_mismatch_max": float(np.max(np.abs(diff))),
-            "sampler_ratio_mean": float(np.mean(np.exp(diff)))}  # fmt: skip
+    return {
+        "logprob_mismatch_mean": float(np.mean(np.abs(diff))),
+        "logprob_mismatch_max": float(np.max(np.abs(diff))),
+        "sampler_ratio_mean": float(np.mean(np.exp(diff))),
+    }
 
 
 def with_trainer_logprobs(forward, params, samples: Sequence[StepSample], config: TrainConfig) -> list[StepSample]:
@@ -374,8 +448,10 @@ def with_trainer_logprobs(forward, params, samples: Sequence[StepSample], config
         chunk = samples[start : start + config.minibatch_rows]
         batch = minibatch([dataclasses.replace(s, insert=()) for s in chunk], config)
         logp = np.asarray(forward(params, batch))[batch.sample_slots()]
-        out += [dataclasses.replace(s, old_logprobs=logp[i, : len(s.response)].tolist(), sampler_logprobs=s.old_logprobs)
-                for i, s in enumerate(chunk)]  # fmt: skip
+        out += [
+            dataclasses.replace(s, old_logprobs=logp[i, : len(s.response)].tolist(), sampler_logprobs=s.old_logprobs)
+            for i, s in enumerate(chunk)
+        ]
     return out
 
 
@@ -385,9 +461,16 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
     tasks = tasks_for_update(run.suite.train, c.n_tasks, c.seed, update)
     seed = c.seed * 1_000_003 + update
     groups, stats = collect_groups(
-        run.sampler, run.pool, tasks, c.group_size, c.rollout, seed,
-        tokenizer=run.tokenizer, fmt=run.fmt, build_prompt=run.suite.build_prompt,
-    )  # fmt: skip
+        run.sampler,
+        run.pool,
+        tasks,
+        c.group_size,
+        c.rollout,
+        seed,
+        tokenizer=run.tokenizer,
+        fmt=run.fmt,
+        build_prompt=run.suite.build_prompt,
+    )
     metrics = rollout_metrics(groups, stats)
     # The reward less the invalid-answer penalties: what GRPO's advantages normalise.
     metrics["env/return"] = float(np.mean(np.concatenate([returns(g, c.advantage) for g in groups])))
@@ -405,8 +488,10 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
         targets = [rank_targets(g, c.rubric.rank_by, c.advantage) for g in groups]
         aligned = c.selection_mode == "gap-alignment"  # verified as spearman (logged), then chosen by the replay
         mode = "spearman" if aligned else c.selection_mode
-        rubrics = [verify_and_select(run.verifier, g, b, mode, rng, r, c.rubric.min_correlation)
-                   for g, b, r in progress(list(zip(groups, bundles, targets)), "verify")]  # fmt: skip
+        rubrics = [
+            verify_and_select(run.verifier, g, b, mode, rng, r, c.rubric.min_correlation)
+            for g, b, r in progress(list(zip(groups, bundles, targets)), "verify")
+        ]
         metrics["time/verification"] = time.perf_counter() - t0
         if aligned:
             t0, policy = time.perf_counter(), run.policy()
@@ -417,7 +502,11 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
         metrics |= rubric_metrics(rubrics)
         metrics["rubric/update_without_rubric"] = float(not metrics["rubric/groups_with_rubric"])
         if not metrics["rubric/groups_with_rubric"]:
-            reasons = ", ".join(f"{k.removeprefix('rubric/no_rubric/')} {v:.0f}" for k, v in metrics.items() if k.startswith("rubric/no_rubric/"))
+            reasons = ", ".join(
+                f"{k.removeprefix('rubric/no_rubric/')} {v:.0f}"
+                for k, v in metrics.items()
+                if k.startswith("rubric/no_rubric/")
+            )
             message = f"update {update + 1}: no group got a rubric ({reasons}); this update trains as plain GRPO"
             if c.strict:
                 raise RuntimeError(message + " (--strict)")
@@ -425,14 +514,18 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
         after = run.verifier.stats
         for field in dataclasses.fields(after):
             metrics[f"verifier/{field.name}"] = float(getattr(after, field.name) - getattr(before, field.name))
-    samples, index = step_samples(groups, step_advantages(groups, c.method, c.advantage), rubrics, run.fmt, run.tokenizer)
+    samples, index = step_samples(
+        groups, step_advantages(groups, c.method, c.advantage), rubrics, run.fmt, run.tokenizer
+    )
     rng = np.random.default_rng([c.seed, update, 1])
     orders = [rng.permutation(len(samples)) for _ in range(c.ppo_epochs)]
     t0 = time.perf_counter()
     if c.old_logprobs == "trainer":
         samples = with_trainer_logprobs(run.old_logprobs, run.state.params, samples, c)
     record = c.credit_every and (update + 1) % c.credit_every == 0 or update + 1 == c.updates
-    run.state, loss_metrics, counts, recorded = train_minibatches(run.train_step, run.state, samples, orders, c, record, run.reference)
+    run.state, loss_metrics, counts, recorded = train_minibatches(
+        run.train_step, run.state, samples, orders, c, record, run.reference
+    )
     without_rubric = ("gap", "rubric_token_frac")  # meaningless without a rubric stage
     metrics |= {f"loss/{k}": v for k, v in loss_metrics.items() if c.uses_rubrics or not k.startswith(without_rubric)}
     metrics["train/tokens"] = counts["tokens"]
@@ -451,8 +544,11 @@ def run_update(run: Run, update: int) -> tuple[dict[str, float], tuple]:
 
 def update_line(update: int, updates: int, metrics: dict[str, float]) -> str:
     """One console line per update: outcomes, the rubric stage when there is one, the loss, the time."""
-    parts = [f"update {update}/{updates}: success {metrics['env/success']:.0%}",
-             f"invalid answers {metrics['env/invalid_rate']:.0%}", f"mixed groups {metrics['env/mixed_groups']:.0%}"]  # fmt: skip
+    parts = [
+        f"update {update}/{updates}: success {metrics['env/success']:.0%}",
+        f"invalid answers {metrics['env/invalid_rate']:.0%}",
+        f"mixed groups {metrics['env/mixed_groups']:.0%}",
+    ]
     if "rubric/groups_with_rubric" in metrics:
         parts.append(f"groups with a rubric {metrics['rubric/groups_with_rubric']:.0f}")
     parts += [f"loss {metrics['loss/loss']:+.4f}", f"{metrics['time/update']:.0f} s"]
@@ -466,15 +562,25 @@ def evaluate(run: Run, update: int) -> dict[str, float]:
     rollout = dataclasses.replace(c.rollout, temperature=c.eval_temperature)
     metrics = {}
     for split, tasks in run.suite.eval.items():
-        episodes = evaluation.sweep(run.sampler, run.pool, tasks[: c.eval_games], rollout, seed=c.seed + 7,
-                                    tokenizer=run.tokenizer, fmt=run.fmt, build_prompt=run.suite.build_prompt)  # fmt: skip
+        episodes = evaluation.sweep(
+            run.sampler,
+            run.pool,
+            tasks[: c.eval_games],
+            rollout,
+            seed=c.seed + 7,
+            tokenizer=run.tokenizer,
+            fmt=run.fmt,
+            build_prompt=run.suite.build_prompt,
+        )
         title = f"{c.method} after {update} updates, {split}"
         evaluation.write(run.suite.name, episodes, run.out / "eval" / f"{update:05d}" / split, title)
         metrics |= {f"eval/{split}/{k}": v for k, v in evaluation.summary(run.suite.name, episodes).items()}
     return metrics
 
 
-def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False, stop_after: int | None = None) -> pathlib.Path:
+def train(
+    config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False, stop_after: int | None = None
+) -> pathlib.Path:
     """Runs (or resumes) a training run in ``out_dir``; returns the exported policy directory.
 
     ``stop_after`` ends the process's work after that many updates (the run can be resumed).
@@ -497,7 +603,9 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
         os.replace(partial, saved)
     start = 0
     if resume:
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), run.state, run.sharding)
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), run.state, run.sharding
+        )
         restored = run.checkpoints.restore_latest(abstract)
         if restored is not None:
             start, run.state, _ = restored
@@ -518,8 +626,13 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
             metrics_log.write(update + 1, metrics)
             log.info(update_line(update + 1, c.updates, metrics))
             if (update + 1) % c.checkpoint_every == 0 or update + 1 == c.updates:
-                meta = {"update": update + 1, "seed": c.seed, "data_cursor": (update + 1) * c.n_tasks,
-                        "verifier_cache": str(out / "verifier_cache"), "config": json.loads(to_json(config))}  # fmt: skip
+                meta = {
+                    "update": update + 1,
+                    "seed": c.seed,
+                    "data_cursor": (update + 1) * c.n_tasks,
+                    "verifier_cache": str(out / "verifier_cache"),
+                    "config": json.loads(to_json(config)),
+                }
                 run.checkpoints.save(update + 1, run.state, meta)
         final = evaluate(run, c.updates)
         metrics_log.write(c.updates, final, final=True)

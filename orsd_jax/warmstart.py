@@ -20,7 +20,7 @@ import random
 import shutil
 import tempfile
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -200,8 +200,16 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
     tasks = load_split(root, "train", run.task_types)[: run.demo_games]
     env = AlfworldEnv(max_steps=run.rollout.max_steps)
     demos = walkthrough_demos(
-        env, tasks, alfworld_walkthrough, run.rollout, build_prompt, tokenizer=tokenizer, fmt=fmt,
-        reasoning=run.reasoning, max_detours=run.max_detours, seed=run.games_seed,
+        env,
+        tasks,
+        alfworld_walkthrough,
+        run.rollout,
+        build_prompt,
+        tokenizer=tokenizer,
+        fmt=fmt,
+        reasoning=run.reasoning,
+        max_detours=run.max_detours,
+        seed=run.games_seed,
     )
     env.close()
     write_jsonl(demos, out / "demos.jsonl")
@@ -211,7 +219,9 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
 
     def log_step(step: int, metrics: dict[str, float]) -> None:
         curve.append({"update": step, **metrics})
-        log(f"warm start, optimizer step {step}: loss {metrics['loss']:.3f}, likely tokens {metrics['likely_token_frac']:.2f}, {metrics['seconds']:.1f} s")
+        log(
+            f"warm start, optimizer step {step}: loss {metrics['loss']:.3f}, likely tokens {metrics['likely_token_frac']:.2f}, {metrics['seconds']:.1f} s"
+        )
 
     trained = finetune(model, demos, run.train, fmt=fmt, log=log_step)
     train_seconds = time.perf_counter() - started - demo_seconds

@@ -13,11 +13,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from test_loss import LOSS, make_samples, max_tree_diff, tiny_model  # noqa: E402
 
 from orsd_jax.batch import build_batch  # noqa: E402
 from orsd_jax.loss import OrsdLoss  # noqa: E402
 from orsd_jax.train_step import init_train_state, make_mesh, make_train_step  # noqa: E402
-from test_loss import LOSS, make_samples, max_tree_diff, tiny_model  # noqa: E402
 
 STEPS, MICRO_BATCHES = 2, 2
 
@@ -29,8 +29,13 @@ def run(mesh, fsdp: bool, layout: str = "packed", pack: bool = False):
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
     graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, mesh, fsdp)
     step = make_train_step(OrsdLoss(LOSS), optimizer, graphdef, sharding)
-    batch = build_batch(make_samples((True, False, True, True, False, True, False, True)), seq_multiple=16,
-                        batch_multiple=4 * MICRO_BATCHES, layout=layout, pack=pack)  # fmt: skip
+    batch = build_batch(
+        make_samples((True, False, True, True, False, True, False, True)),
+        seq_multiple=16,
+        batch_multiple=4 * MICRO_BATCHES,
+        layout=layout,
+        pack=pack,
+    )
     metrics = []
     for _ in range(STEPS):
         state, m, _ = step(state, batch, MICRO_BATCHES)
@@ -44,14 +49,20 @@ def main():
     single, single_metrics, _, _ = run(make_mesh(1), fsdp=False)
     out = {"single_loss": [m["loss"] for m in single_metrics]}
     # The two-stream layout on 4 devices against the packed one on 1: the same step.
-    cases = [("replicated", False, "packed", False), ("fsdp", True, "packed", False), ("two-stream", True, "two-stream", False),
-             ("packed rows", True, "two-stream", True)]  # fmt: skip
+    cases = [
+        ("replicated", False, "packed", False),
+        ("fsdp", True, "packed", False),
+        ("two-stream", True, "two-stream", False),
+        ("packed rows", True, "two-stream", True),
+    ]
     for name, fsdp, layout, pack in cases:
         params, metrics, specs, steps = run(make_mesh(4), fsdp, layout, pack)
         out[name] = {
             "param_diff": max_tree_diff(params, single),
             # Relative above 1: the raw loss sums (sum/*) run to hundreds.
-            "metric_diff": max(abs(m[k] - s[k]) / max(1.0, abs(s[k])) for m, s in zip(metrics, single_metrics) for k in s),
+            "metric_diff": max(
+                abs(m[k] - s[k]) / max(1.0, abs(s[k])) for m, s in zip(metrics, single_metrics) for k in s
+            ),
             "specs": specs,
             "steps": steps,
         }

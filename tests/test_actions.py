@@ -12,18 +12,26 @@ ADMISSIBLE = ["go to desk 1", "take pen 1 from desk 1", "look"]
 def test_well_formed_answer_is_valid():
     parsed = parse_action("<think>The pen is on the desk.</think>\n<action>go to desk 1</action>", ADMISSIBLE)
     assert (parsed.action, parsed.valid_format, parsed.admissible, parsed.valid, parsed.reason) == (
-        "go to desk 1", True, True, True, "")
+        "go to desk 1",
+        True,
+        True,
+        True,
+        "",
+    )
 
 
-@pytest.mark.parametrize("response", [
-    "",
-    "   \n ",
-    "go to desk 1",
-    "<think>hmm</think>",
-    "<think>hmm</think><action>go to desk 1",
-    "<think>hmm</think>go to desk 1</action>",
-    "<think>hmm</think></action>go to desk 1<action>",
-])
+@pytest.mark.parametrize(
+    "response",
+    [
+        "",
+        "   \n ",
+        "go to desk 1",
+        "<think>hmm</think>",
+        "<think>hmm</think><action>go to desk 1",
+        "<think>hmm</think>go to desk 1</action>",
+        "<think>hmm</think></action>go to desk 1<action>",
+    ],
+)
 def test_missing_action_tags_give_no_action(response):
     parsed = parse_action(response, ADMISSIBLE)
     assert parsed.action is None and not parsed.valid_format and not parsed.valid and parsed.reason

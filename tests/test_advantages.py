@@ -92,11 +92,15 @@ def test_gigpo_mean_std_values_spelled_out():
     # (0, a): 9.5 and 0 -> deviations +-4.75, std 4.75 * sqrt(2).
     sa = 4.75 * math.sqrt(2) + EPS
     expected = [
-        e_win + 2.85 / sd, e_win + 4.75 / sa, e_win,
-        e_lose - 6.175 / sd, e_lose - 4.75 / sa,
-        e_win + 3.325 / sd, e_win,
+        e_win + 2.85 / sd,
+        e_win + 4.75 / sa,
+        e_win,
+        e_lose - 6.175 / sd,
+        e_lose - 4.75 / sa,
+        e_win + 3.325 / sd,
+        e_win,
         0.0,
-    ]  # fmt: skip
+    ]
     np.testing.assert_allclose(out, expected, rtol=1e-9)
 
 

@@ -59,7 +59,9 @@ def test_skips_what_the_official_loader_skips(root, tmp_path):
 
 def test_every_prefix_of_a_split_is_a_fair_sample_of_its_task_types():
     counts = dict(zip(TASK_TYPES, (13, 12, 7, 6, 6, 6)))  # an easy split's mix
-    tasks = [Task("alfworld", f"games/{kind}-{i:02d}/game.tw-pddl", kind, "") for kind, n in counts.items() for i in range(n)]
+    tasks = [
+        Task("alfworld", f"games/{kind}-{i:02d}/game.tw-pddl", kind, "") for kind, n in counts.items() for i in range(n)
+    ]
     order = interleave_types(tasks[::-1])
     assert sorted(t.key for t in order) == sorted(t.key for t in tasks)
     for kind in TASK_TYPES:  # each type in path order

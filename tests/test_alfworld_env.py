@@ -134,4 +134,3 @@ def test_groups_in_worker_processes_match_sequential_play(tasks):
     finals = [next(s for s in reversed([h[i] for h in parallel]) if s is not None) for i in range(len(per_env))]
     assert all(step.won for step in finals)
     assert parallel[0][0] == parallel[0][1] == parallel[0][2]  # a group starts from one state
-

@@ -95,8 +95,13 @@ def test_official_loader_collects_the_generated_split(easy_roots, split):
     path = str(easy_roots[1] / "json_2.1.1" / split)
     config = {
         "env": {"goal_desc_human_anns_prob": 0.0, "task_types": [1, 2, 3, 4, 5, 6]},
-        "dataset": {"data_path": path, "eval_id_data_path": path, "eval_ood_data_path": path,
-                    "num_train_games": -1, "num_eval_games": -1},
+        "dataset": {
+            "data_path": path,
+            "eval_id_data_path": path,
+            "eval_ood_data_path": path,
+            "num_train_games": -1,
+            "num_eval_games": -1,
+        },
     }
     official = AlfredTWEnv(config, train_eval=alias).game_files
     ours = sorted(t.key for t in load_split(easy_roots[1], split))

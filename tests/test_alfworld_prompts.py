@@ -35,10 +35,21 @@ def test_later_steps_show_task_count_window_and_current_state():
     obs = "You arrive at fridge 1. The fridge 1 is closed."
     prompt = build_prompt("put a cool apple in countertop", obs, ACTIONS, HISTORY, 3)
     entries = [f"[Observation {k}: '{HISTORY[k - 1][0]}', Action {k}: '{HISTORY[k - 1][1]}']" for k in (2, 3)]
-    assert _in_order(prompt, [
-        "ALFRED", "Your task is to: put a cool apple in countertop", "3 step(s)", "last 2 observation(s)",
-        "\n".join(entries), "step 4", obs, "'go to countertop 1'\n 'go to fridge 1'", "<think>", "<action>",
-    ])
+    assert _in_order(
+        prompt,
+        [
+            "ALFRED",
+            "Your task is to: put a cool apple in countertop",
+            "3 step(s)",
+            "last 2 observation(s)",
+            "\n".join(entries),
+            "step 4",
+            obs,
+            "'go to countertop 1'\n 'go to fridge 1'",
+            "<think>",
+            "<action>",
+        ],
+    )
     assert "Observation 1:" not in prompt
 
 

@@ -31,10 +31,31 @@ def test_dry_run_fails_clearly_when_the_plan_does_not_fit(capsys):
 
 def test_flags_override_the_preset():
     args = parser("alfworld", "").parse_args(
-        ["--preset", "cpu-demo", "--method", "grpo", "--updates", "5", "--coef", "0.3", "--candidates", "2",
-         "--min-correlation", "0", "--model", "some/dir", "--verifier", "openai", "--verifier-url", "http://127.0.0.1:9/v1", "--verifier-model", "m",
-         "--task-types", "pick,clean"]
-    )  # fmt: skip
+        [
+            "--preset",
+            "cpu-demo",
+            "--method",
+            "grpo",
+            "--updates",
+            "5",
+            "--coef",
+            "0.3",
+            "--candidates",
+            "2",
+            "--min-correlation",
+            "0",
+            "--model",
+            "some/dir",
+            "--verifier",
+            "openai",
+            "--verifier-url",
+            "http://127.0.0.1:9/v1",
+            "--verifier-model",
+            "m",
+            "--task-types",
+            "pick,clean",
+        ]
+    )
     c = config_from_args("alfworld", args)
     assert (c.method, c.updates, c.loss.coef, c.rubric.candidates) == ("grpo", 5, 0.3, 2)
     assert c.rubric.min_correlation == 0.0 and preset("cpu-demo").rubric.min_correlation is None

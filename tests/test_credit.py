@@ -20,8 +20,8 @@ from transformers import AutoTokenizer
 from experiments.credit_report import rendered_dom, screenshot, write_report
 from orsd_jax.batch import build_batch
 from orsd_jax.config import preset
-from orsd_jax.credit_html import gap_colour
 from orsd_jax.credit import load_credit, recorded_updates, run_tokenizer, token_pieces
+from orsd_jax.credit_html import gap_colour
 from orsd_jax.loss import LossConfig, OrsdLoss
 from orsd_jax.models import EMBEDDED, resolve
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
@@ -50,8 +50,10 @@ def test_token_values_are_what_the_loss_uses():
     samples = make_samples((True, False, True, True))
     config = LossConfig(coef=0.8, clip=0.2, entropy_coef=0.0, chunk_size=4)
     first = OrsdLoss(config)(model, build_batch(samples, seq_multiple=16, response_multiple=4))[3]
-    samples = [dataclasses.replace(s, old_logprobs=np.asarray(first["logp_without"][i, : len(s.response)]).tolist())
-               for i, s in enumerate(samples)]  # fmt: skip
+    samples = [
+        dataclasses.replace(s, old_logprobs=np.asarray(first["logp_without"][i, : len(s.response)]).tolist())
+        for i, s in enumerate(samples)
+    ]
     batch = build_batch(samples, seq_multiple=16, response_multiple=4)
     loss_sum, count, sums, values = OrsdLoss(config)(model, batch)
     values = {k: np.asarray(v) for k, v in values.items()}
@@ -78,8 +80,12 @@ def test_recorded_credit_matches_the_run(run):
     advantage = preset("tiny").advantage
     assert advantage.invalid == "format" and not advantage.across_steps
     for g, group in enumerate(groups):
-        outcome = np.array([sum(s["reward"] - advantage.invalid_penalty * (not s["valid_format"]) for s in t["steps"])
-                            for t in group["trajectories"]])  # fmt: skip
+        outcome = np.array(
+            [
+                sum(s["reward"] - advantage.invalid_penalty * (not s["valid_format"]) for s in t["steps"])
+                for t in group["trajectories"]
+            ]
+        )
         expected = (outcome - outcome.mean()) / (outcome.std(ddof=1) + 1e-6)
         for s in (s for s in record.steps if s.group == g):
             np.testing.assert_allclose(s.values["advantage"], expected[s.trajectory], rtol=1e-5, atol=1e-6)
@@ -88,8 +94,9 @@ def test_recorded_credit_matches_the_run(run):
     played = [s for g in groups for t in g["trajectories"] for s in t["steps"]]
     assert all(isinstance(s["expert"], bool) for s in played)
     assert not any(s["expert"] for s in played if s["action"] is None)
-    assert [s.expert for s in record.steps] == [groups[s.group]["trajectories"][s.trajectory]["steps"][s.step]["expert"]
-                                                for s in record.steps]  # fmt: skip
+    assert [s.expert for s in record.steps] == [
+        groups[s.group]["trajectories"][s.trajectory]["steps"][s.step]["expert"] for s in record.steps
+    ]
     rubric_tokens = sum(len(s.response_ids) for s in record.steps if s.criteria is not None)
     np.testing.assert_allclose(logged["loss/rubric_token_frac"] * logged["train/tokens"], rubric_tokens, atol=1e-3)
     for s in record.steps:  # a group without a selected rubric keeps its advantage on every token
@@ -103,8 +110,13 @@ def test_update_metrics_are_exact_over_minibatches(tmp_path, pack_rows):
     """The trainer's minibatch loop: the logged gap statistics of an update equal those of the
     recorded per-token values over all its minibatches, whose rubric shares differ."""
     graphdef, params = tiny_model()
-    config = dataclasses.replace(preset("tiny"), minibatch_rows=2, loss=LossConfig(coef=0.8, clip=0.2, chunk_size=4),
-                                 pack_rows=pack_rows, row_tokens=0)  # fmt: skip
+    config = dataclasses.replace(
+        preset("tiny"),
+        minibatch_rows=2,
+        loss=LossConfig(coef=0.8, clip=0.2, chunk_size=4),
+        pack_rows=pack_rows,
+        row_tokens=0,
+    )
     optimizer = make_optimizer(config.optimizer)
     graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(config.loss), optimizer, graphdef, sharding)
@@ -119,12 +131,18 @@ def test_update_metrics_are_exact_over_minibatches(tmp_path, pack_rows):
     # Each stream of a minibatch of 2 rows is padded to a multiple of 128 tokens; rows of several
     # samples (pack_rows) hold both samples of a minibatch in one row here.
     rows = 1 if pack_rows else 2
-    slots = sum(rows * -(-max(stream[k : k + 2] + [1]) // 128) * 128 for stream in (without, rubric) for k in range(0, 6, 2))
+    slots = sum(
+        rows * -(-max(stream[k : k + 2] + [1]) // 128) * 128 for stream in (without, rubric) for k in range(0, 6, 2)
+    )
     assert counts["row_tokens"] == sum(without) + sum(rubric) and counts["row_slots"] == slots
-    gaps = np.concatenate([
-        values["gap"][i, : len(samples[r].response)]
-        for rows, values, _ in recorded for i, r in enumerate(rows) if samples[r].insert
-    ])  # fmt: skip
+    gaps = np.concatenate(
+        [
+            values["gap"][i, : len(samples[r].response)]
+            for rows, values, _ in recorded
+            for i, r in enumerate(rows)
+            if samples[r].insert
+        ]
+    )
     assert tokens == sum(len(s.response) for s in samples)
     np.testing.assert_allclose(metrics["rubric_token_frac"], len(gaps) / tokens, rtol=1e-6)
     np.testing.assert_allclose(metrics["gap_mean"], gaps.mean(), rtol=1e-5, atol=1e-6)
@@ -160,7 +178,9 @@ def test_notebook_runs_top_to_bottom(run, tmp_path, tokenizer):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits this process's environment
     try:
-        NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+        NotebookClient(
+            notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
+        ).execute()
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -240,7 +260,9 @@ def test_hostile_text_renders_no_element(tmp_path):
 
     values = {k: np.array([0.5, -0.5]) for k in ("logp_with", "logp_without", "gap", "advantage", "corrected")}
     values["gap_clipped"] = np.array([False, True])
-    step = StepCredit(0, 0, 0, HOSTILE, HOSTILE, HOSTILE, (1, 2), (HOSTILE, HOSTILE), True, 10.0, (HOSTILE,), values, True)
+    step = StepCredit(
+        0, 0, 0, HOSTILE, HOSTILE, HOSTILE, (1, 2), (HOSTILE, HOSTILE), True, 10.0, (HOSTILE,), values, True
+    )
     group = GroupRecord(HOSTILE, (10.0,), ((HOSTILE, HOSTILE), ()), (0.5, None), 0, HOSTILE)
     page = tmp_path / "hostile.html"
     page.write_text(render(CreditRecord(1, (group,), (step,)), clip=1.0, title=HOSTILE))

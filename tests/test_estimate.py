@@ -7,18 +7,28 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_loss import tiny_model
 
 from orsd_jax.batch import StepSample, build_batch
 from orsd_jax.estimate import QWEN3_1_7B, QWEN3_4B, estimate, forward_flops, param_count
 from orsd_jax.loss import LossConfig, OrsdLoss
 from orsd_jax.models import CausalLM, ModelConfig
 from orsd_jax.train_step import loss_and_grads
-from test_loss import tiny_model
 
-LLAMA = ModelConfig("llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
-                    num_kv_heads=2, head_dim=32, tie_word_embeddings=True)  # fmt: skip
-QWEN = ModelConfig("qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=12)  # fmt: skip
+LLAMA = ModelConfig(
+    "llama",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    tie_word_embeddings=True,
+)
+QWEN = ModelConfig(
+    "qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=12
+)
 
 
 def _abstract_params(config):
@@ -46,10 +56,16 @@ def test_published_qwen3_sizes():
 def _packed_batch(rows=4):
     rng = np.random.RandomState(0)
     samples = [
-        StepSample(prefix=rng.randint(0, 512, 200).tolist(), insert=rng.randint(0, 512, 50).tolist(), tail=[1, 2, 3],
-                   response=rng.randint(0, 512, 24).tolist(), old_logprobs=[-1.0] * 24, advantage=1.0)
+        StepSample(
+            prefix=rng.randint(0, 512, 200).tolist(),
+            insert=rng.randint(0, 512, 50).tolist(),
+            tail=[1, 2, 3],
+            response=rng.randint(0, 512, 24).tolist(),
+            old_logprobs=[-1.0] * 24,
+            advantage=1.0,
+        )
         for _ in range(rows)
-    ]  # fmt: skip
+    ]
     return build_batch(samples, seq_multiple=64, response_multiple=32)
 
 

@@ -80,7 +80,9 @@ def test_every_shortest_first_step_is_expert_not_only_the_planners(games, engine
     """pick2 (visible): either object may be fetched first, so going to either place is expert,
     though the planner lists one; any other first move is not."""
     (task,) = [t for t in games["easy-uniform"] if t.task_type == "pick2"]
-    sources = {f"go to {m.group(1)}" for c in alfworld_walkthrough(task) if (m := re.fullmatch(r"take .+ from (.+)", c))}
+    sources = {
+        f"go to {m.group(1)}" for c in alfworld_walkthrough(task) if (m := re.fullmatch(r"take .+ from (.+)", c))
+    }
     assert len(sources) == 2
     labels = [label_actions(engine, task, [a])[0] for a in _start(engine, task)["admissible_commands"]]
     assert {label.action for label in labels if label.consistent} == sources

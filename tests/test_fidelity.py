@@ -25,7 +25,9 @@ def _step(reward=0.0, valid_format=True, admissible=True, observation="o", actio
 
 def _group(*trajectories):
     task = Task("alfworld", "k", "look", "look at a book under the desklamp")
-    return Group(task, tuple(Trajectory(task, tuple(steps), any(s.reward for s in steps), 0.0) for steps in trajectories))
+    return Group(
+        task, tuple(Trajectory(task, tuple(steps), any(s.reward for s in steps), 0.0) for steps in trajectories)
+    )
 
 
 # 1. verl-agent's normalisation: GRPO divides by the group's std everywhere
@@ -62,7 +64,9 @@ def test_invalid_rule_format_or_admissible():
     adm = AdvantageConfig(normalize_std=False, invalid="admissible")
     # Per trajectory, mean only: format rule 10 and 0 -> +-5; admissible rule 10 and -0.1 -> +-5.05.
     np.testing.assert_allclose(np.concatenate(step_advantages([group], "grpo", fmt)[0]), [5, 5, -5, -5], rtol=1e-12)
-    np.testing.assert_allclose(np.concatenate(step_advantages([group], "grpo", adm)[0]), [5.05, 5.05, -5.05, -5.05], rtol=1e-12)
+    np.testing.assert_allclose(
+        np.concatenate(step_advantages([group], "grpo", adm)[0]), [5.05, 5.05, -5.05, -5.05], rtol=1e-12
+    )
     broken = _group([_step(), _step(10.0)], [_step(valid_format=False, admissible=False), _step()])
     np.testing.assert_allclose(returns(broken, fmt), [10, -0.1], rtol=1e-12)
     with pytest.raises(ValueError, match="invalid-answer rule"):
@@ -104,7 +108,10 @@ def test_selection_ranks_outcomes_in_the_paper_presets():
     np.testing.assert_allclose(rank_targets(group, "return", advantage), [0, -0.1, -0.2], rtol=1e-12)
     satisfaction = np.array([[0.9, 0.5, 0.1]])
     rng = np.random.default_rng(0)
-    assert select_bundle(satisfaction, rank_targets(group, "outcome", advantage), "spearman", rng).reason == "constant rewards"
+    assert (
+        select_bundle(satisfaction, rank_targets(group, "outcome", advantage), "spearman", rng).reason
+        == "constant rewards"
+    )
     assert select_bundle(satisfaction, rank_targets(group, "return", advantage), "spearman", rng).index == 0
     assert all(preset(n, e).rubric.rank_by == "outcome" for n in PAPER for e in ENVS)
     assert preset("cpu-demo").rubric.rank_by == "return"
@@ -128,7 +135,9 @@ def test_webshop_reward_success_or_score(webshop_data):
     assert bought["success"].reward == 0.0 and bought["score"].reward == pytest.approx(8.0)
     assert all(preset(n, "webshop").env.reward == "success" for n in PAPER)
     with pytest.raises(ValueError, match="unknown reward"):
-        dataclasses.replace(preset("tiny", "webshop"), env=dataclasses.replace(preset("tiny", "webshop").env, reward="x"))
+        dataclasses.replace(
+            preset("tiny", "webshop"), env=dataclasses.replace(preset("tiny", "webshop").env, reward="x")
+        )
 
 
 # 5 and the dry run: every paper preset prints the protocol.
@@ -215,9 +224,17 @@ def test_qwen3_prompts_reach_valid_answers(tmp_path):
     assert chat.chat_format(tokenizer, thinking=True).prefill == ""
     task = load_split(default_games("easy", 0, 8, 4), "valid_seen", ("look",))[0]
     with EnvPool(AlfworldEnv, n_envs=2, n_workers=1) as pool:
-        groups, stats = collect_groups(_Answers(tokenizer, "<action>look</action>"), pool, [task], 2,
-                                       RolloutConfig(max_steps=2), seed=0, tokenizer=tokenizer, fmt=fmt,
-                                       build_prompt=build_prompt)  # fmt: skip
+        groups, stats = collect_groups(
+            _Answers(tokenizer, "<action>look</action>"),
+            pool,
+            [task],
+            2,
+            RolloutConfig(max_steps=2),
+            seed=0,
+            tokenizer=tokenizer,
+            fmt=fmt,
+            build_prompt=build_prompt,
+        )
     steps = [s for t in groups[0].trajectories for s in t.steps]
     assert len(steps) == 4 and all(s.valid_format and s.admissible for s in steps) and stats.invalid_answers == 0
     assert all(s.prompt_ids[-len(fmt.tail) :] == fmt.tail for s in steps)
@@ -234,9 +251,7 @@ def test_writer_headers_do_not_state_the_outcome():
     assert "Attempt 1:\n" in text and "Attempt 2:\n" in text
     assert "steps)" not in text and "2 steps" not in text and "3 steps" not in text
     # The same steps with the outcomes swapped render the same text: only the steps tell.
-    swapped = [
-        Trajectory(t.task, t.steps, not t.won, 1.0 - t.score) for t in _group(won, lost).trajectories
-    ]
+    swapped = [Trajectory(t.task, t.steps, not t.won, 1.0 - t.score) for t in _group(won, lost).trajectories]
     assert render_group(swapped, 200, count) == text
 
 
@@ -263,6 +278,8 @@ def test_repeated_criteria_count_once():
     assert parsed.valid and parsed.criteria == tuple(distinct) and parsed.repeats == 2
     from orsd_jax.rubrics import GroupRubric, Selection
 
-    results = [GroupRubric((bundle, parsed), np.full((2, 1), np.nan), Selection(None, np.full(2, np.nan), "no valid bundle"))]
+    results = [
+        GroupRubric((bundle, parsed), np.full((2, 1), np.nan), Selection(None, np.full(2, np.nan), "no valid bundle"))
+    ]
     metrics = rubric_metrics(results)
     assert metrics["rubric/repeated_criteria"] == 9 and metrics["rubric/rejected_with_repeats"] == 1

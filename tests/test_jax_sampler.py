@@ -50,8 +50,16 @@ def test_greedy_matches_transformers_generate(embedded):
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = ModelConfig("qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8)
+    config = ModelConfig(
+        "qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
     return CausalLM(config, nnx.Rngs(0))
 
 
@@ -112,13 +120,17 @@ def test_stop_tokens_and_strings(tiny):
     free = sampler.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=20))[0]
     stop_token = free.token_ids[4]
     first = free.token_ids.index(stop_token)
-    stopped = sampler.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=(stop_token,)))[0]
+    stopped = sampler.generate(
+        [[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=(stop_token,))
+    )[0]
     assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
     stop_string = free.text[5:7]
     cut = sampler.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=20, stop=(stop_string,)))[0]
     assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(stop_string)]
     assert cut.token_ids == free.token_ids[: free.text.index(stop_string) + 2]
-    kept = sampler.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=20, stop=(stop_string,), include_stop=True))[0]
+    kept = sampler.generate(
+        [[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=20, stop=(stop_string,), include_stop=True)
+    )[0]
     assert kept.text == free.text[: free.text.index(stop_string) + 2] and kept.token_ids == cut.token_ids
 
 

@@ -10,7 +10,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from orsd_jax.batch import LAYOUTS, PAD, SHARED, WITH, WITHOUT, StepSample, build_batch, rubric_attention_mask, tree_attention_mask
+from orsd_jax.batch import (
+    LAYOUTS,
+    PAD,
+    SHARED,
+    WITH,
+    WITHOUT,
+    StepSample,
+    build_batch,
+    rubric_attention_mask,
+    tree_attention_mask,
+)
 from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss
 from orsd_jax.models import CausalLM, ModelConfig
 
@@ -18,10 +28,12 @@ from orsd_jax.models import CausalLM, ModelConfig
 
 
 def test_build_batch_layout_by_hand():
-    with_rubric = StepSample(prefix=[11, 12], insert=[21, 22, 23], tail=[31], response=[41, 42],
-                             old_logprobs=[-1.0, -2.0], advantage=0.5)  # fmt: skip
-    plain = StepSample(prefix=[13], tail=[32, 33], response=[43, 44, 45], old_logprobs=[-3.0, -4.0, -5.0],
-                       advantage=-1.0)  # fmt: skip
+    with_rubric = StepSample(
+        prefix=[11, 12], insert=[21, 22, 23], tail=[31], response=[41, 42], old_logprobs=[-1.0, -2.0], advantage=0.5
+    )
+    plain = StepSample(
+        prefix=[13], tail=[32, 33], response=[43, 44, 45], old_logprobs=[-3.0, -4.0, -5.0], advantage=-1.0
+    )
     b = build_batch([with_rubric, plain], seq_multiple=4, response_multiple=4, batch_multiple=4, pad_id=0)
     # Row 0: [prefix | insert tail response] [tail response] = 11 tokens, padded to 12.
     np.testing.assert_array_equal(b.tokens[0], [11, 12, 21, 22, 23, 31, 41, 42, 31, 41, 42, 0])
@@ -80,10 +92,17 @@ def test_build_batch_rejects_bad_samples():
 
 def _toy_batch(responses, advantages, has_rubric, old, ref=None):
     samples = [
-        StepSample(prefix=[1], tail=[2], response=[5] * n, old_logprobs=o, advantage=a,
-                   insert=[3] if r else (), ref_logprobs=None if ref is None else ref[i])
+        StepSample(
+            prefix=[1],
+            tail=[2],
+            response=[5] * n,
+            old_logprobs=o,
+            advantage=a,
+            insert=[3] if r else (),
+            ref_logprobs=None if ref is None else ref[i],
+        )
         for i, (n, a, r, o) in enumerate(zip(responses, advantages, has_rubric, old))
-    ]  # fmt: skip
+    ]
     return build_batch(samples, response_multiple=4)
 
 
@@ -121,8 +140,16 @@ def test_truncated_importance_sampling_by_hand():
     # The trainer's old log-probs 0; the sampler's log(2), log(0.25), 0: weights 0.5, 4 -> capped at
     # 2, and 1. Ratios exp(logp) = 1, 1.1, 0.9 with A = +1: terms -1, -1.1, -0.9.
     logp = _pad([np.log([1.0, 1.1, 0.9])])
-    samples = [StepSample(prefix=[1], tail=[2], response=[5, 5, 5], old_logprobs=[0.0] * 3, advantage=1.0,
-                          sampler_logprobs=np.log([2.0, 0.25, 1.0]).tolist())]  # fmt: skip
+    samples = [
+        StepSample(
+            prefix=[1],
+            tail=[2],
+            response=[5, 5, 5],
+            old_logprobs=[0.0] * 3,
+            advantage=1.0,
+            sampler_logprobs=np.log([2.0, 0.25, 1.0]).tolist(),
+        )
+    ]
     batch = build_batch(samples, response_multiple=4)
     config = LossConfig(coef=0.0, entropy_coef=0.0, tis_cap=2.0)
     loss_sum, _, sums, _ = policy_loss(logp, jnp.zeros_like(logp), None, batch, config)
@@ -163,10 +190,20 @@ def test_correction_and_gap_metrics_by_hand():
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 fast_jit = functools.partial(jax.jit, compiler_options=FAST)
 
-CONFIG = ModelConfig("qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
-LOSS = LossConfig(coef=0.8, clip=0.2, clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.05,
-                  entropy_coef=0.01, temperature=0.7, chunk_size=4)  # fmt: skip
+CONFIG = ModelConfig(
+    "qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
+)
+LOSS = LossConfig(
+    coef=0.8,
+    clip=0.2,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=3.0,
+    kl_coef=0.05,
+    entropy_coef=0.01,
+    temperature=0.7,
+    chunk_size=4,
+)
 
 
 @functools.cache
@@ -216,18 +253,24 @@ def make_samples(rubric_rows, seed=0):
         parts.append((prefix, insert, tail, rng.randint(0, 96, rng.randint(2, 9)).tolist()))
     graphdef, params = tiny_model()
     width = max(len(p[3]) for p in parts)
-    logp, _ = _sequence_logprobs(graphdef, params, [p + t + y for p, _, t, y in parts],
-                                 [len(p) + len(t) for p, _, t, _ in parts], width)  # fmt: skip
+    logp, _ = _sequence_logprobs(
+        graphdef, params, [p + t + y for p, _, t, y in parts], [len(p) + len(t) for p, _, t, _ in parts], width
+    )
     logp = np.asarray(logp)
     samples = []
     for i, (prefix, insert, tail, response) in enumerate(parts):
         n = len(response)
-        samples.append(StepSample(
-            prefix=prefix, insert=insert, tail=tail, response=response,
-            old_logprobs=(logp[i, :n] + 0.3 * rng.randn(n)).tolist(),
-            ref_logprobs=(logp[i, :n] + 0.3 * rng.randn(n)).tolist(),
-            advantage=float(rng.randn()),
-        ))  # fmt: skip
+        samples.append(
+            StepSample(
+                prefix=prefix,
+                insert=insert,
+                tail=tail,
+                response=response,
+                old_logprobs=(logp[i, :n] + 0.3 * rng.randn(n)).tolist(),
+                ref_logprobs=(logp[i, :n] + 0.3 * rng.randn(n)).tolist(),
+                advantage=float(rng.randn()),
+            )
+        )
     return samples
 
 
@@ -277,7 +320,9 @@ def packed_value_and_grad(batch, config):
 
 
 def max_tree_diff(a, b) -> float:
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 def assert_trees_close(a, b, tol=1e-5):
@@ -288,7 +333,9 @@ def assert_trees_close(a, b, tol=1e-5):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_one_packed_forward_equals_two_forwards(layout):
     samples, reference = reference_case()
-    batch = build_batch(samples, seq_multiple=16, response_multiple=4, batch_multiple=8, layout=layout)  # 3 padding rows
+    batch = build_batch(
+        samples, seq_multiple=16, response_multiple=4, batch_multiple=8, layout=layout
+    )  # 3 padding rows
     assert batch.has_rubric.sum() == 3 and batch.tokens.shape[0] == 8
     loss, grads = packed_value_and_grad(batch, LOSS)
     expected_loss, expected_grads = reference(tiny_model()[1], LOSS.coef)
@@ -317,20 +364,35 @@ def test_rows_of_several_samples_equal_two_forwards(layout):
 
 
 def test_row_tokens_let_long_samples_share_a_row():
-    samples = [StepSample(prefix=[1, 2, 3], insert=[7] * k, tail=[4], response=[5], old_logprobs=[-1.0], advantage=1.0)
-               for k in (2, 3)]  # fmt: skip
+    samples = [
+        StepSample(prefix=[1, 2, 3], insert=[7] * k, tail=[4], response=[5], old_logprobs=[-1.0], advantage=1.0)
+        for k in (2, 3)
+    ]
     for layout in LAYOUTS:
         alone = build_batch(samples, seq_multiple=4, layout=layout, pack=True)
         shared = build_batch(samples, seq_multiple=4, layout=layout, pack=True, row_tokens=20)
         assert alone.tokens.shape[0] == 2 and shared.tokens.shape == (1, 20)
-        assert build_batch(samples, seq_multiple=4, layout=layout, row_tokens=20).tokens.shape == alone.tokens.shape  # packing only
+        assert (
+            build_batch(samples, seq_multiple=4, layout=layout, row_tokens=20).tokens.shape == alone.tokens.shape
+        )  # packing only
 
 
 def test_packed_rows_by_hand():
     """First fit by decreasing length: the two short samples share a row, in slots 0 and 1."""
-    long = StepSample(prefix=[1, 2, 3, 4], insert=[9], tail=[5], response=[6, 7], old_logprobs=[-1.0, -1.0], advantage=1.0)
-    short = [StepSample(prefix=[10 + i], tail=[20 + i], response=[30 + i], old_logprobs=[-2.0], advantage=-1.0,
-                        insert=[40 + i] if i else ()) for i in range(2)]  # fmt: skip
+    long = StepSample(
+        prefix=[1, 2, 3, 4], insert=[9], tail=[5], response=[6, 7], old_logprobs=[-1.0, -1.0], advantage=1.0
+    )
+    short = [
+        StepSample(
+            prefix=[10 + i],
+            tail=[20 + i],
+            response=[30 + i],
+            old_logprobs=[-2.0],
+            advantage=-1.0,
+            insert=[40 + i] if i else (),
+        )
+        for i in range(2)
+    ]
     b = build_batch([short[0], long, short[1]], seq_multiple=8, response_multiple=2, layout="two-stream", pack=True)
     np.testing.assert_array_equal(b.tokens, [[1, 2, 3, 4, 5, 6, 7, 0], [10, 20, 30, 11, 21, 31, 0, 0]])
     np.testing.assert_array_equal(b.positions[1], [0, 1, 2, 0, 1, 2, 0, 0])
@@ -354,7 +416,9 @@ def test_frozen_bottom_layers_equal_two_forwards(layout):
     gradients; the frozen ones get none."""
     samples, reference = reference_case()
     graphdef, params = tiny_model()
-    frozen_graphdef, _ = nnx.split(nnx.eval_shape(lambda: CausalLM(dataclasses.replace(CONFIG, frozen_layers=1), nnx.Rngs(0))))
+    frozen_graphdef, _ = nnx.split(
+        nnx.eval_shape(lambda: CausalLM(dataclasses.replace(CONFIG, frozen_layers=1), nnx.Rngs(0)))
+    )
     batch = build_batch(samples, seq_multiple=16, response_multiple=4, layout=layout)
 
     def f(p):
@@ -376,10 +440,12 @@ def test_frozen_bottom_layers_equal_two_forwards(layout):
 
 
 def test_two_stream_layout_by_hand():
-    with_rubric = StepSample(prefix=[11, 12], insert=[21, 22, 23], tail=[31], response=[41, 42],
-                             old_logprobs=[-1.0, -2.0], advantage=0.5)  # fmt: skip
-    plain = StepSample(prefix=[13], tail=[32, 33], response=[43, 44, 45], old_logprobs=[-3.0, -4.0, -5.0],
-                       advantage=-1.0)  # fmt: skip
+    with_rubric = StepSample(
+        prefix=[11, 12], insert=[21, 22, 23], tail=[31], response=[41, 42], old_logprobs=[-1.0, -2.0], advantage=0.5
+    )
+    plain = StepSample(
+        prefix=[13], tail=[32, 33], response=[43, 44, 45], old_logprobs=[-3.0, -4.0, -5.0], advantage=-1.0
+    )
     b = build_batch([with_rubric, plain], seq_multiple=4, response_multiple=4, batch_multiple=4, layout="two-stream")
     # The without-rubric stream: [prefix | tail response], plain positions.
     np.testing.assert_array_equal(b.tokens[:2], [[11, 12, 31, 41, 42, 0, 0, 0], [13, 32, 33, 43, 44, 45, 0, 0]])
@@ -435,8 +501,13 @@ def test_kl_to_a_reference_model_in_the_same_step():
     graphdef, params = tiny_model()
     _, ref_params = tiny_model(seed=1)
     width = max(len(s.response) for s in samples)
-    ref_logp, _ = _sequence_logprobs(graphdef, ref_params, [[*s.prefix, *s.tail, *s.response] for s in samples],
-                                     [len(s.prefix) + len(s.tail) for s in samples], width)  # fmt: skip
+    ref_logp, _ = _sequence_logprobs(
+        graphdef,
+        ref_params,
+        [[*s.prefix, *s.tail, *s.response] for s in samples],
+        [len(s.prefix) + len(s.tail) for s in samples],
+        width,
+    )
     batch = build_batch([dataclasses.replace(s, ref_logprobs=None) for s in samples], seq_multiple=16)
     assert batch.ref_logp is None
     step = fast_jit(lambda p, b, r: loss_and_grads(OrsdLoss(LOSS), graphdef, p, b, reference=r)[:2])

@@ -12,6 +12,7 @@ from flax import nnx
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from orsd_jax import chat
+from orsd_jax.batch import PAD, SHARED, WITH, WITHOUT, tree_attention_mask
 from orsd_jax.models import (
     EMBEDDED,
     CausalLM,
@@ -23,18 +24,36 @@ from orsd_jax.models import (
     load_model,
     save_hf,
 )
-from orsd_jax.batch import PAD, SHARED, WITH, WITHOUT, tree_attention_mask
 from orsd_jax.models.decoder import attend
 from orsd_jax.models.registry import embedded_gguf_path
 
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=3)
 CASES = {
     # GQA, untied head, head_dim (24) != hidden / heads (16)
-    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                                            tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config(
+            **TINY,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=False,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+        ),
+    ),
     # GQA, tied embeddings
-    "llama": (LlamaForCausalLM, LlamaConfig(**TINY, num_attention_heads=8, num_key_value_heads=2,
-                                            tie_word_embeddings=True, rope_theta=1e5, rms_norm_eps=1e-5)),
+    "llama": (
+        LlamaForCausalLM,
+        LlamaConfig(
+            **TINY,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=1e5,
+            rms_norm_eps=1e-5,
+        ),
+    ),
 }
 
 
@@ -236,7 +255,7 @@ def test_embedded_matches_transformers_gguf_loading(embedded):
         np.testing.assert_allclose(np.asarray(model(jnp.asarray([ids]))), _logits(reference, [ids]), atol=1e-3, rtol=0)
     # Greedy continuation of 32 tokens, ours with the KV cache (jitted: prefill, then one token a step).
     ids = chat.prompt_ids(fmt, tokenizer, "Write a short story about a cat who learns to fly.")
-    expected = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+    expected = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -264,7 +283,7 @@ def test_chat_prompt_ids_match_template_and_share_prefix(embedded):
     template = template["input_ids"] if isinstance(template, dict) or hasattr(template, "keys") else template
     assert without == list(template)
     shared = len(without) - len(fmt.tail)
-    assert with_insert[:shared] == without[:shared] and with_insert[-len(fmt.tail):] == list(fmt.tail)
+    assert with_insert[:shared] == without[:shared] and with_insert[-len(fmt.tail) :] == list(fmt.tail)
     assert tokenizer.decode(with_insert).endswith("be quick<|im_end|>\n<|im_start|>assistant\n")
     assert fmt.stop_token_ids[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
 

@@ -16,8 +16,19 @@ from orsd_jax.rubrics.oracle import ALFWORLD_PADDING, alfworld_oracle, plan_crit
 VISIBLE = Difficulty("easy-uniform", (3, 5), (0, 2), (1, 1), "visible", False, (1,) * 6)
 HIDDEN = Difficulty("easy-hidden", (4, 6), (0, 2), (1, 2), "hidden", True, (1,) * 6)
 # The third person of each command's verb, as the criteria say it.
-VERBS = {"go": "goes to", "take": "takes", "move": "moves", "open": "opens", "close": "closes", "heat": "heats",
-         "cool": "cools", "clean": "cleans", "use": "uses", "examine": "examines", "slice": "slices"}  # fmt: skip
+VERBS = {
+    "go": "goes to",
+    "take": "takes",
+    "move": "moves",
+    "open": "opens",
+    "close": "closes",
+    "heat": "heats",
+    "cool": "cools",
+    "clean": "cleans",
+    "use": "uses",
+    "examine": "examines",
+    "slice": "slices",
+}
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +98,16 @@ def test_a_long_plan_is_merged_into_eight_runs_of_consecutive_steps():
 
 def test_repeated_steps_stay_distinct():
     """pick2 plans go to the same place twice; a repeat is named as such, so the parser keeps both."""
-    plan = ["go to shelf 1", "take pen 1 from shelf 1", "go to desk 1", "move pen 1 to desk 1",
-            "go to shelf 1", "take pen 2 from shelf 1", "go to desk 1", "move pen 2 to desk 1"]  # fmt: skip
+    plan = [
+        "go to shelf 1",
+        "take pen 1 from shelf 1",
+        "go to desk 1",
+        "move pen 1 to desk 1",
+        "go to shelf 1",
+        "take pen 2 from shelf 1",
+        "go to desk 1",
+        "move pen 2 to desk 1",
+    ]
     phrases = step_phrases(plan)
     assert phrases[2] == "goes to the desk 1 while holding the pen 1"
     assert phrases[4] == "goes to the shelf 1 for the second time"
@@ -136,4 +155,7 @@ def test_webshop_options_merge_when_they_do_not_fit_and_short_goals_are_padded(g
     assert_bundle(criteria)
     assert "Chooses the option x-large" in criteria and "Chooses the option navy blue" in criteria
     bare = dataclasses.replace(human, goal_options=())
-    assert webshop_oracle(bare)[-2:] == ("Buys in at most 3 actions", "Does not search again after a matching product is found")
+    assert webshop_oracle(bare)[-2:] == (
+        "Buys in at most 3 actions",
+        "Does not search again after a matching product is found",
+    )

@@ -44,7 +44,7 @@ def test_pyproject_declares_the_scripts_and_the_pinned_requirements():
     pinned = [line.split("#")[0].strip() for line in (REPO / "requirements.txt").read_text().splitlines()]
     pinned = [line for line in pinned if line]
     test_only = project["optional-dependencies"]["test"]
-    assert {line.split("==")[0] for line in test_only} == {"pytest", "hypothesis"}
+    assert {line.split("==")[0] for line in test_only} == {"pytest", "hypothesis", "ruff"}
     assert sorted(project["dependencies"] + test_only) == sorted(pinned), "pyproject.toml and requirements.txt differ"
 
 
@@ -56,15 +56,32 @@ def test_the_wheel_holds_every_module_and_its_scripts_load(tmp_path):
         shutil.copy(REPO / name, src / name)
     for package in PACKAGES:
         shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
-    build = outside([str(BIN / "python"), "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                     "-w", str(tmp_path / "dist"), str(src)], tmp_path)  # fmt: skip
+    build = outside(
+        [
+            str(BIN / "python"),
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        tmp_path,
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("orsd_jax-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         z.extractall(tmp_path / "site")
-    modules = {p.relative_to(REPO).as_posix() for package in PACKAGES for p in (REPO / package).rglob("*.py")
-               if "__pycache__" not in p.parts}  # fmt: skip
+    modules = {
+        p.relative_to(REPO).as_posix()
+        for package in PACKAGES
+        for p in (REPO / package).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     assert not sorted(modules - names), "modules missing from the wheel"
 
     # Every entry point of the wheel's metadata loads to a callable, from the wheel's files.

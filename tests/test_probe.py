@@ -7,7 +7,17 @@ from flax import nnx
 
 from orsd_jax.batch import PAD, StepSample, build_batch
 from orsd_jax.loss import response_logprobs
-from orsd_jax.probe import ACTION, FORMAT, OTHER, ProbeState, ProbeStep, branch_logprobs, pack_branches, summarise, token_classes
+from orsd_jax.probe import (
+    ACTION,
+    FORMAT,
+    OTHER,
+    ProbeState,
+    ProbeStep,
+    branch_logprobs,
+    pack_branches,
+    summarise,
+    token_classes,
+)
 from orsd_jax.probe_stats import auc
 from tests.test_loss import CONFIG, _sequence_logprobs, tiny_model
 
@@ -51,14 +61,17 @@ def test_token_classes():
     expected = [FORMAT, OTHER, FORMAT, FORMAT, ACTION, ACTION, ACTION, FORMAT, FORMAT]
     np.testing.assert_array_equal(token_classes(pieces), expected)
     # A tag split over tokens is format on both pieces; no action tags: no action tokens.
-    np.testing.assert_array_equal(token_classes(["<act", "ion>", "look", "</action>"]), [FORMAT, FORMAT, ACTION, FORMAT])
+    np.testing.assert_array_equal(
+        token_classes(["<act", "ion>", "look", "</action>"]), [FORMAT, FORMAT, ACTION, FORMAT]
+    )
     assert ACTION not in token_classes(["I think", " so"])
 
 
 def _step(game, expert, gap, advantage=1.0, trajectory=0, ret=0.0):
     classes = np.array([FORMAT, ACTION, ACTION, FORMAT], np.int8)
-    return ProbeStep(game, "look", trajectory, 0, expert, True, False, ret, advantage, classes,
-                     {"oracle": np.asarray(gap, float)})  # fmt: skip
+    return ProbeStep(
+        game, "look", trajectory, 0, expert, True, False, ret, advantage, classes, {"oracle": np.asarray(gap, float)}
+    )
 
 
 def test_summary_by_hand():
@@ -68,8 +81,13 @@ def test_summary_by_hand():
         _step("g2", True, [0.5, 0.0, 0.0, 0.5], trajectory=0, ret=10.0),
         _step("g2", False, [0.2, 0.2, 0.2, 0.2], advantage=0.1, trajectory=1, ret=0.0),
     ]
-    state = ProbeState("g1", ("a", "b", "c"), np.array([True, False, False]), np.array([-1.0, -0.5, -3.0]),
-                       {"oracle": np.array([-0.2, -0.6, -3.5])})  # fmt: skip
+    state = ProbeState(
+        "g1",
+        ("a", "b", "c"),
+        np.array([True, False, False]),
+        np.array([-1.0, -0.5, -3.0]),
+        {"oracle": np.array([-0.2, -0.6, -3.5])},
+    )
     (row,) = summarise(steps, [state], ["oracle"], coef=0.5, clip=1.0, n_boot=50)
     # Step means: 0.5, -1.0, 0.25, 0.2; expert {0.5, 0.25} vs other {-1.0, 0.2}: every pair favourable.
     assert row["auc_step"] == auc([0.5, 0.25], [-1.0, 0.2]) == 1.0

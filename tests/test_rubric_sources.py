@@ -10,12 +10,13 @@ import pytest
 from experiments.common import config_from_args, parser
 from orsd_jax.config import preset
 from orsd_jax.envs.base import Task
-from orsd_jax.rubrics import RubricConfig, parse_bundle
-from orsd_jax.rubrics import sources
+from orsd_jax.rubrics import RubricConfig, parse_bundle, sources
 from orsd_jax.rubrics.oracle import alfworld_oracle, webshop_oracle
 from orsd_jax.trainer import train
 
-TASKS = [Task("alfworld", f"k{i}", "look", d) for i, d in enumerate(["look at a book", "look at a pen", "look at a book"])]
+TASKS = [
+    Task("alfworld", f"k{i}", "look", d) for i, d in enumerate(["look at a book", "look at a pen", "look at a book"])
+]
 BUNDLES = [tuple(f"Criterion {k} of task {i} is met" for k in range(5)) for i in range(3)]
 
 
@@ -27,15 +28,21 @@ def test_shuffled_takes_the_next_different_task():
 
 
 def test_neutral_text_keeps_the_shape_and_says_nothing_about_the_task():
-    oracle = ("Goes to the desk 1 before anything else", "Takes the statue 1 from the desk 1",
-              "Uses the desklamp 1 while holding the statue 1", "Finishes the task in at most 3 actions",
-              "Does not repeat an action that had no effect")  # fmt: skip
+    oracle = (
+        "Goes to the desk 1 before anything else",
+        "Takes the statue 1 from the desk 1",
+        "Uses the desklamp 1 while holding the statue 1",
+        "Finishes the task in at most 3 actions",
+        "Does not repeat an action that had no effect",
+    )
     neutral = sources.neutral_like(oracle)
     assert len(neutral) == len(oracle) and parse_bundle("\n".join(f"- {c}" for c in neutral)).valid
     for a, b in zip(neutral, oracle):
         assert abs(len(a) - len(b)) <= 12
     words = {w.lower() for c in oracle for w in c.split()}
-    assert not {w.lower() for c in neutral for w in c.split()} & (words - {"the", "a", "an", "in", "of", "at", "to", "from", "and", "for"})
+    assert not {w.lower() for c in neutral for w in c.split()} & (
+        words - {"the", "a", "an", "in", "of", "at", "to", "from", "and", "for"}
+    )
 
 
 def test_file_source_checks_every_bundle(tmp_path):
@@ -54,7 +61,9 @@ def test_file_source_checks_every_bundle(tmp_path):
     assert config_from_args("alfworld", args).rubric.source_file == str(good)
 
 
-@pytest.mark.parametrize("env,method", [("alfworld", "orsd-oracle"), ("alfworld", "orsd-shuffled"), ("webshop", "orsd-oracle")])
+@pytest.mark.parametrize(
+    "env,method", [("alfworld", "orsd-oracle"), ("alfworld", "orsd-shuffled"), ("webshop", "orsd-oracle")]
+)
 def test_training_reads_the_oracle_bundles(env, method, tmp_path, webshop_data):
     config = dataclasses.replace(preset("tiny", env), method=method)
     if env == "webshop":
@@ -85,7 +94,11 @@ def test_select_by_gap_by_hand():
 
     gaps = np.array([[0.1, 0.5, 0.2], [0.3, 0.1, 0.2], [np.nan] * 3])
     chosen = select_by_gap(gaps, np.array([0.0, 10.0, 5.0]))  # ranks 1, 3, 2: bundle 0 agrees exactly
-    assert chosen.index == 0 and chosen.correlations[0] == pytest.approx(1.0) and chosen.correlations[1] == pytest.approx(-1.0)
+    assert (
+        chosen.index == 0
+        and chosen.correlations[0] == pytest.approx(1.0)
+        and chosen.correlations[1] == pytest.approx(-1.0)
+    )
     assert select_by_gap(gaps, np.array([1.0, 1.0, 1.0])).reason == "constant rewards"
     assert select_by_gap(np.full((2, 3), np.nan), np.array([0.0, 1.0, 2.0])).reason == "no valid bundle"
 
@@ -105,20 +118,50 @@ def test_trajectory_gaps_equal_the_training_batch():
 
     tokenizer = AutoTokenizer.from_pretrained(resolve(EMBEDDED))
     fmt = chat.chat_format(tokenizer)
-    model = CausalLM(ModelConfig("llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
-                                 num_heads=4, num_kv_heads=2, head_dim=8), nnx.Rngs(0))  # fmt: skip
+    model = CausalLM(
+        ModelConfig(
+            "llama",
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+        ),
+        nnx.Rngs(0),
+    )
     task = TASKS[0]
 
     def step(text, answer):
         ids = tuple(tokenizer.encode(answer, add_special_tokens=False))
-        return Step(text, tuple(chat.prompt_ids(fmt, tokenizer, text)), ids, (0.0,) * len(ids), answer, "o", "look",
-                    True, True, 0.0, False, 0)  # fmt: skip
+        return Step(
+            text,
+            tuple(chat.prompt_ids(fmt, tokenizer, text)),
+            ids,
+            (0.0,) * len(ids),
+            answer,
+            "o",
+            "look",
+            True,
+            True,
+            0.0,
+            False,
+            0,
+        )
 
     trajectories = [
-        Trajectory(task, (step("You are in a room.", "<think></think><action>look</action>"),
-                          step("You see a desk 1.", "<think></think><action>go to desk 1</action>")), True, 1.0),
+        Trajectory(
+            task,
+            (
+                step("You are in a room.", "<think></think><action>look</action>"),
+                step("You see a desk 1.", "<think></think><action>go to desk 1</action>"),
+            ),
+            True,
+            1.0,
+        ),
         Trajectory(task, (step("You are in a room.", "<think></think><action>inventory</action>"),), False, 0.0),
-    ]  # fmt: skip
+    ]
     bundles = [ParsedBundle(BUNDLES[0], ""), ParsedBundle((), "no list"), ParsedBundle(BUNDLES[1], "")]
     gaps = trajectory_gaps(model, Group(task, tuple(trajectories)), bundles, fmt, tokenizer, temperature=0.7)
     assert np.isnan(gaps[1]).all()
@@ -128,8 +171,13 @@ def test_trajectory_gaps_equal_the_training_batch():
         for t, traj in enumerate(trajectories):
             per_step = []
             for s in traj.steps:
-                batch = build_batch([StepSample(s.prompt_ids[:-tail], s.prompt_ids[-tail:], s.response_ids,
-                                                s.logprobs, 0.0, insert=insert)])  # fmt: skip
+                batch = build_batch(
+                    [
+                        StepSample(
+                            s.prompt_ids[:-tail], s.prompt_ids[-tail:], s.response_ids, s.logprobs, 0.0, insert=insert
+                        )
+                    ]
+                )
                 with_rubric, without, _ = response_logprobs(model, batch, temperature=0.7)
                 n = len(s.response_ids)
                 per_step.append(float(np.mean(np.asarray(with_rubric)[0, :n] - np.asarray(without)[0, :n])))
@@ -155,8 +203,11 @@ def test_an_update_without_any_rubric_warns_and_strict_stops(tmp_path, caplog):
 
     empty = tmp_path / "none.json"
     empty.write_text("{}")
-    config = dataclasses.replace(preset("tiny"), updates=1, rubric=dataclasses.replace(
-        preset("tiny").rubric, source="file", source_file=str(empty)))  # fmt: skip
+    config = dataclasses.replace(
+        preset("tiny"),
+        updates=1,
+        rubric=dataclasses.replace(preset("tiny").rubric, source="file", source_file=str(empty)),
+    )
     with caplog.at_level(logging.WARNING, logger="orsd_jax"):
         train(config, tmp_path / "run")
     (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][:1]

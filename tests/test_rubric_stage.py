@@ -17,23 +17,34 @@ from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, loa
 from orsd_jax.models import EMBEDDED, resolve
 from orsd_jax.rollout import RolloutConfig, collect_groups
 from orsd_jax.rubrics import (
-    OpenAIVerifier, ParsedBundle, RubricConfig, VerifierConfig, bundle_regex, generate_bundles, verify_and_select,
+    OpenAIVerifier,
+    ParsedBundle,
+    RubricConfig,
+    VerifierConfig,
+    bundle_regex,
+    generate_bundles,
+    verify_and_select,
 )
 from orsd_jax.sampling.vllm_sampler import VLLMSampler
 from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
 
 TASKS, G = 2, 4
 ROLLOUT = RolloutConfig(max_steps=4, max_prompt_tokens=1024, max_response_tokens=48)
-RUBRIC = RubricConfig(candidates=3, trajectory_budget_tokens=120, max_new_tokens=200, constrained=True, criterion_chars=80)
+RUBRIC = RubricConfig(
+    candidates=3, trajectory_budget_tokens=120, max_new_tokens=200, constrained=True, criterion_chars=80
+)
 # Written by hand and verified beside the model's own bundles, so the verifier always has work
 # even when the untrained model writes no parseable bundle.
-HAND = ParsedBundle((
-    "The agent goes to a receptacle named in the task.",
-    "The agent takes the object named in the task.",
-    "The agent never repeats the same action twice in a row.",
-    "Every action is one of the admissible commands.",
-    "The agent puts the object in or on the target receptacle.",
-), "")
+HAND = ParsedBundle(
+    (
+        "The agent goes to a receptacle named in the task.",
+        "The agent takes the object named in the task.",
+        "The agent never repeats the same action twice in a row.",
+        "Every action is one of the admissible commands.",
+        "The agent puts the object in or on the target receptacle.",
+    ),
+    "",
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +62,9 @@ def test_groups_bundles_satisfaction_and_selection(server, tmp_path):
     tasks = load_split(default_games("easy", 0, 200, 50), "train")[:TASKS]
     pool = EnvPool(functools.partial(AlfworldEnv, max_steps=ROLLOUT.max_steps), TASKS * G, n_workers=2)
     try:
-        groups, stats = collect_groups(sampler, pool, tasks, G, ROLLOUT, seed=0, tokenizer=tokenizer, fmt=fmt,
-                                       build_prompt=build_prompt)  # fmt: skip
+        groups, stats = collect_groups(
+            sampler, pool, tasks, G, ROLLOUT, seed=0, tokenizer=tokenizer, fmt=fmt, build_prompt=build_prompt
+        )
     finally:
         pool.close()
     assert [g.task.key for g in groups] == [t.key for t in tasks]
@@ -79,8 +91,15 @@ def test_groups_bundles_satisfaction_and_selection(server, tmp_path):
     for bundle in (b for group in bundles for b in group):  # each either 5-8 criteria or a stated reason
         assert (bundle.valid and 5 <= len(bundle.criteria) <= 8) or (not bundle.valid and bundle.reason)
 
-    verifier = OpenAIVerifier(VerifierConfig(base_url=f"{server.url}/v1", model="policy", mode="logprob",
-                                             concurrency=8, cache_dir=str(tmp_path / "cache")))  # fmt: skip
+    verifier = OpenAIVerifier(
+        VerifierConfig(
+            base_url=f"{server.url}/v1",
+            model="policy",
+            mode="logprob",
+            concurrency=8,
+            cache_dir=str(tmp_path / "cache"),
+        )
+    )
     rng = np.random.default_rng(0)
     for group, group_bundles in zip(groups, bundles):
         result = verify_and_select(verifier, group, group_bundles, "spearman", rng)
@@ -88,7 +107,7 @@ def test_groups_bundles_satisfaction_and_selection(server, tmp_path):
         for b, bundle in enumerate(group_bundles):
             row = result.satisfaction[b]
             # A valid bundle is scored on every trajectory (probabilities in [0, 1]); an invalid one is not.
-            assert (np.all((row >= 0) & (row <= 1)) if bundle.valid else np.all(np.isnan(row))), (b, row)
+            assert np.all((row >= 0) & (row <= 1)) if bundle.valid else np.all(np.isnan(row)), (b, row)
             rewards = np.asarray(group.rewards, float)
             if bundle.valid and np.ptp(row) > 0 and np.ptp(rewards) > 0:
                 assert result.selection.correlations[b] == pytest.approx(scipy.stats.spearmanr(row, rewards)[0])

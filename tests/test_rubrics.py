@@ -24,6 +24,7 @@ FIVE = [
     "The agent puts the object in the target receptacle at the end.",
 ]
 
+
 def test_numbered_bulleted_and_json_lists():
     numbered = "\n".join(f"{k}. {c}" for k, c in enumerate(FIVE, start=1))
     assert parse_bundle(numbered).criteria == tuple(FIVE) and parse_bundle(numbered).valid
@@ -51,9 +52,17 @@ def test_cleaning_labels_emphasis_and_thinking():
         ("   \n ", 0, "empty output"),
         ("The agent should be quick and should look everywhere in the room.", 0, "no list"),
         ("1. The agent looks in the fridge first.", 1, "1 distinct criteria"),
-        ("\n".join(f"{k}. The agent checks receptacle number {k} early." for k in range(1, 31)), 30, "30 distinct criteria"),
+        (
+            "\n".join(f"{k}. The agent checks receptacle number {k} early." for k in range(1, 31)),
+            30,
+            "30 distinct criteria",
+        ),
         ("\n".join(f"{k}. {FIVE[0]}" for k in range(1, 9)), 1, "1 distinct criteria"),  # duplicates collapse
-        (json.dumps([f"{k}. {FIVE[0]}" for k in range(1, 9)]), 1, "1 distinct criteria"),  # also when JSON items are numbered
+        (
+            json.dumps([f"{k}. {FIVE[0]}" for k in range(1, 9)]),
+            1,
+            "1 distinct criteria",
+        ),  # also when JSON items are numbered
         ("\n".join(f"{k}. {c.upper()}!" for k, c in enumerate(FIVE + FIVE[:2], 1)), 5, ""),  # case/punct duplicates
         ("1. ok\n2. yes\n3. no\n4. a b\n5. go", 0, "no list"),  # too short to be criteria
         ('{"criteria": "not a list"}', 0, "no list"),
@@ -67,7 +76,11 @@ def test_adversarial_text_never_raises(text, n_found, reason):
     assert reason in bundle.reason and bundle.valid == (reason == "")
 
 
-@given(st.lists(st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=160), min_size=3, max_size=10))
+@given(
+    st.lists(
+        st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=160), min_size=3, max_size=10
+    )
+)
 @settings(max_examples=300, deadline=None)
 def test_the_bundle_grammar_admits_exactly_what_parses_line_by_line(items):
     """Whatever a constrained writer can finish parses to its own lines; outside 5-8 lines, or with
@@ -100,7 +113,10 @@ def test_a_cut_bundle_loses_its_unfinished_line():
     assert parse_bundle(six, cut=True).criteria == tuple(FIVE) and parse_bundle(six, cut=True).valid
     five = six.replace(f"5. {FIVE[4]}\n", "")
     assert parse_bundle(five, cut=True).reason == "4 distinct criteria; a bundle needs 5-8 (cut by the token limit)"
-    assert parse_bundle("1. The agent goes to the desk", cut=True).reason == "no list of criteria found (cut by the token limit)"
+    assert (
+        parse_bundle("1. The agent goes to the desk", cut=True).reason
+        == "no list of criteria found (cut by the token limit)"
+    )
 
 
 def test_a_grammar_line_holds_a_criterion():
@@ -119,9 +135,18 @@ def test_rubric_insert_lists_the_criteria():
 def _trajectory(n_steps, won, final_text="Your score (min 0.0, max 1.0) [SEP] 1.0"):
     steps = tuple(
         Step(
-            user_text="", prompt_ids=(1,), response_ids=(2,), logprobs=(-0.1,), response_text="",
-            observation=f"observation {k}", action=f"go to cabinet {k}", valid_format=True, admissible=True,
-            reward=10.0 if (won and k == n_steps - 1) else 0.0, truncated=False, weight_version=0,
+            user_text="",
+            prompt_ids=(1,),
+            response_ids=(2,),
+            logprobs=(-0.1,),
+            response_text="",
+            observation=f"observation {k}",
+            action=f"go to cabinet {k}",
+            valid_format=True,
+            admissible=True,
+            reward=10.0 if (won and k == n_steps - 1) else 0.0,
+            truncated=False,
+            weight_version=0,
         )
         for k in range(n_steps)
     )
@@ -145,7 +170,9 @@ def test_render_group_shows_a_common_start_once():
     assert text.startswith("Every attempt starts from: observation 0\n") and text.count("observation 0") == 1
     assert text.count("Step 1: saw: (the start shown above)") == 2 and "observation 3" in text
     other = _trajectory(2, False)
-    other = dataclasses.replace(other, steps=(dataclasses.replace(other.steps[0], observation="elsewhere"), *other.steps[1:]))
+    other = dataclasses.replace(
+        other, steps=(dataclasses.replace(other.steps[0], observation="elsewhere"), *other.steps[1:])
+    )
     text = render_group([same[0], other], budget_tokens=120, count_tokens=lambda s: len(s.split()))
     assert "starts from" not in text and "saw: observation 0" in text and "saw: elsewhere" in text
 
@@ -154,10 +181,16 @@ def test_render_group_shows_a_common_start_once():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(3, 12).flatmap(lambda g: st.tuples(
-    st.lists(st.lists(st.sampled_from([0.0, 0.2, 0.5, 0.8, 1.0]), min_size=g, max_size=g), min_size=1, max_size=5),
-    st.lists(st.sampled_from([0.0, 0.0, 1.0, 10.0]), min_size=g, max_size=g),
-)))
+@given(
+    st.integers(3, 12).flatmap(
+        lambda g: st.tuples(
+            st.lists(
+                st.lists(st.sampled_from([0.0, 0.2, 0.5, 0.8, 1.0]), min_size=g, max_size=g), min_size=1, max_size=5
+            ),
+            st.lists(st.sampled_from([0.0, 0.0, 1.0, 10.0]), min_size=g, max_size=g),
+        )
+    )
+)
 def test_spearman_agrees_with_scipy(data):
     satisfaction, rewards = np.array(data[0]), np.array(data[1])
     for row in satisfaction:
@@ -212,14 +245,18 @@ def test_real_outputs_of_the_embedded_model():
     import json
     import pathlib
 
-    recorded = json.loads((pathlib.Path(__file__).parent / "data" / "rubric_outputs_smollm2.json").read_text())["outputs"]
+    recorded = json.loads((pathlib.Path(__file__).parent / "data" / "rubric_outputs_smollm2.json").read_text())[
+        "outputs"
+    ]
     parsed = [parse_bundle(text) for text in recorded]
     # Read by hand: criteria of 3-60 words, one per numbered line; too few or none is rejected.
     assert [len(p.criteria) for p in parsed] == [1, 2, 1, 6, 8, 1, 4, 0]
     assert [p.valid for p in parsed] == [False, False, False, True, True, False, False, False]
     assert parsed[3].criteria[0] == "The 4 tasks share an action, set in a time and place that changes in a process."
     assert "7. The agent" in recorded[3] and not any(c == "The agent" for c in parsed[3].criteria)  # cut off: 2 words
-    assert len(recorded[1].splitlines()) == 3 and parsed[1].criteria[1].startswith("Step 4:")  # the 70-word item is dropped
+    assert len(recorded[1].splitlines()) == 3 and parsed[1].criteria[1].startswith(
+        "Step 4:"
+    )  # the 70-word item is dropped
     # "1. 4. The agent ...": both numbers are list markers.
     assert parsed[2].criteria == ("The agent turns on the object held by the agent instead of question-pausing.",)
     assert parsed[7].reason == "no list of criteria found"  # markup, no list

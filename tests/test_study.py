@@ -36,18 +36,29 @@ def _records(method: str, seed: int) -> list[dict]:
     the same gain on every seed); valid_unseen 0, 0, 0.5 for GRPO and 0.5 for every ORSD seed."""
     orsd = method == "orsd"
     train = [
-        {"update": u, "env/success": 0.1 * u + 0.1 * seed + 0.2 * orsd, "env/invalid_rate": 0.5,
-         "rollout/env_steps": 10.0 + seed, "rollout/generated_tokens": 100.0, "time/update": 60.0, "loss/ref_kl": None,
-         **({"rubric/groups_with_rubric": 1.0, "verifier/calls": 4.0} if orsd else {})}
+        {
+            "update": u,
+            "env/success": 0.1 * u + 0.1 * seed + 0.2 * orsd,
+            "env/invalid_rate": 0.5,
+            "rollout/env_steps": 10.0 + seed,
+            "rollout/generated_tokens": 100.0,
+            "time/update": 60.0,
+            "loss/ref_kl": None,
+            **({"rubric/groups_with_rubric": 1.0, "verifier/calls": 4.0} if orsd else {}),
+        }
         for u in (1, 2, 3)
-    ]  # fmt: skip
+    ]
     seen = 0.2 + 0.1 * seed + 0.3 * orsd
     final = {
-        "update": 3, "final": True,
-        "eval/valid_seen/success/All": seen, "eval/valid_seen/success/Look": seen,
-        "eval/valid_seen/success/Pick": None, "eval/valid_seen/valid_step_rate": 0.9,
-        "eval/valid_unseen/success/All": 0.5 if orsd or seed == 2 else 0.0, "eval/valid_unseen/valid_step_rate": 0.8,
-    }  # fmt: skip
+        "update": 3,
+        "final": True,
+        "eval/valid_seen/success/All": seen,
+        "eval/valid_seen/success/Look": seen,
+        "eval/valid_seen/success/Pick": None,
+        "eval/valid_seen/valid_step_rate": 0.9,
+        "eval/valid_unseen/success/All": 0.5 if orsd or seed == 2 else 0.0,
+        "eval/valid_unseen/valid_step_rate": 0.8,
+    }
     return [*train, final]
 
 
@@ -108,7 +119,7 @@ def test_paired_differences_remove_the_seed_to_seed_spread(fabricated):
     values = {run: f["eval/valid_seen/success/All"] for run, f in finals.items()}
     unpaired = study.by_method(values)["orsd"]
     assert (unpaired.mean, unpaired.low, unpaired.high) == pytest.approx((0.6, 0.5, 0.7))
-    (method, paired), = study.paired_differences(values).items()
+    ((method, paired),) = study.paired_differences(values).items()
     assert method == "orsd" and (paired.mean, paired.low, paired.high, paired.n) == pytest.approx((0.3, 0.3, 0.3, 3))
     # Seeds without a baseline run are not paired.
     del values[next(run for run in values if run.method == "grpo" and run.seed == 2)]
@@ -227,8 +238,19 @@ def test_per_run_flags_are_the_studys(flag, tmp_path):
 def test_dry_run_plans_a_paper_grid_and_starts_nothing(tmp_path, capsys):
     out = tmp_path / "study"
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--preset", "paper-qwen3-1.7b", "--methods", "grpo,orsd", "--seeds", "0,1,2", "--out", str(out),
-                  "--dry-run"])  # fmt: skip
+        cli.main(
+            [
+                "--preset",
+                "paper-qwen3-1.7b",
+                "--methods",
+                "grpo,orsd",
+                "--seeds",
+                "0,1,2",
+                "--out",
+                str(out),
+                "--dry-run",
+            ]
+        )
     text = capsys.readouterr().out
     assert exit_.value.code == 0, text
     assert "study: alfworld, preset paper-qwen3-1.7b, 300 updates, 2 methods x 3 seeds = 6 runs" in text
@@ -254,7 +276,8 @@ def test_gpu_hours_scale_with_the_work():
     assert 1.7 * one < study.run_flops(deeper, c) < 2 * one
     assert study.run_flops(estimate.QWEN3_1_7B, dataclasses.replace(c, updates=600)) == pytest.approx(2 * one, rel=0.01)
     assert study.run_flops(estimate.QWEN3_1_7B, dataclasses.replace(c, method="orsd")) > study.run_flops(
-        estimate.QWEN3_1_7B, dataclasses.replace(c, method="grpo"))  # the with-rubric stream and the writing
+        estimate.QWEN3_1_7B, dataclasses.replace(c, method="grpo")
+    )  # the with-rubric stream and the writing
     assert study.gpu_hours(study.A100_BF16_FLOPS * study.UTILIZATION * 3600) == pytest.approx(1.0)
 
 

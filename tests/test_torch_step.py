@@ -60,7 +60,9 @@ def test_torch_step_equals_jax_step(frozen_layers, remat):
     np.testing.assert_allclose(metrics["loss"], float(jax_loss), atol=1e-5, rtol=0)
     torch_params = dict(step.model.named_parameters())
     assert set(torch_params) == set(jax_grads)  # untied: one tensor per name, the LM head included
-    frozen = {f"model.layers.{i}." for i in range(frozen_layers)} | ({"model.embed_tokens."} if frozen_layers else set())
+    frozen = {f"model.layers.{i}." for i in range(frozen_layers)} | (
+        {"model.embed_tokens."} if frozen_layers else set()
+    )
     for name, p in torch_params.items():
         if any(name.startswith(prefix) for prefix in frozen):
             assert p.grad is None and not p.requires_grad, name
@@ -89,5 +91,7 @@ def test_torch_step_equals_jax_step(frozen_layers, remat):
         g = np.abs(jax_grads[name])
         well_defined = (g > 3e-5) | (g == 0)
         assert well_defined.mean() > 0.95, name
-        np.testing.assert_allclose(torch_after[well_defined], after[name][well_defined], atol=1e-5, rtol=0, err_msg=name)
+        np.testing.assert_allclose(
+            torch_after[well_defined], after[name][well_defined], atol=1e-5, rtol=0, err_msg=name
+        )
         assert np.abs(torch_after - before[name]).max() > 1e-3  # the update itself is far above the tolerance

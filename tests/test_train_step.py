@@ -11,14 +11,15 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import optax
-from jax.sharding import AxisType, PartitionSpec as P
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from test_loss import LOSS, assert_trees_close, fast_jit, make_samples, tiny_model
 
 from orsd_jax.batch import build_batch
 from orsd_jax.loss import OrsdLoss
 from orsd_jax.train_step import OptimizerConfig, fsdp_spec, loss_and_grads, make_mesh, make_optimizer
-from test_loss import LOSS, assert_trees_close, fast_jit, make_samples, tiny_model
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -62,6 +63,19 @@ def test_optimizer_clips_then_adamw():
         np.testing.assert_allclose(np.asarray(new[key]), expected, rtol=1e-5)
 
 
+def test_warmup_raises_the_rate_linearly():
+    # A constant gradient makes Adam's bias-corrected direction exactly sign(g) at every step, so
+    # step k moves the parameter by lr (k+1)/N until k+1 = N, then by lr (no clipping, no decay).
+    config = OptimizerConfig(learning_rate=0.1, weight_decay=0.0, grad_clip=1e9, eps=0.0, warmup_steps=4)
+    optimizer = make_optimizer(config)
+    params, grads = {"w": jnp.array([1.0])}, {"w": jnp.array([2.0])}
+    state, moves = optimizer.init(params), []
+    for _ in range(6):
+        updates, state = optimizer.update(grads, state, params)
+        moves.append(float(updates["w"][0]))
+    np.testing.assert_allclose(moves, [-0.025, -0.05, -0.075, -0.1, -0.1, -0.1], rtol=1e-4)  # f32
+
+
 def test_fsdp_spec_rule():
     layers = (jax.tree_util.DictKey("layers"), jax.tree_util.DictKey("attn"), jax.tree_util.DictKey("q"))
     embed = (jax.tree_util.DictKey("embed"),)
@@ -83,8 +97,9 @@ def test_sharded_step_equals_single_device():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     # Unoptimised XLA code compiles about three times faster; both sides of each comparison use it.
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    proc = subprocess.run([sys.executable, str(HERE / "sharded_step_check.py")], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "sharded_step_check.py")], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(np.isfinite(out["single_loss"]))
@@ -109,7 +124,9 @@ def test_frozen_layers_stay_put():
     optimizer = make_optimizer(OptimizerConfig(learning_rate=0.1, weight_decay=0.5), frozen_layers=1)
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
     new = optax.apply_updates(params, updates)
-    for (path, old), (_, moved) in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(new)):
+    for (path, old), (_, moved) in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(new)
+    ):
         name = jax.tree_util.keystr(path)
         old, moved = np.asarray(old), np.asarray(moved)
         if "layers" in name:

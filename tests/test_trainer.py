@@ -16,15 +16,22 @@ import pytest
 from safetensors.numpy import load_file
 
 from orsd_jax import chat
+from orsd_jax.advantages import step_advantages
 from orsd_jax.config import preset
 from orsd_jax.envs.base import Task
 from orsd_jax.rollout import Group, Step, Trajectory
 from orsd_jax.rubrics import GroupRubric, ParsedBundle, Selection
-from orsd_jax.advantages import step_advantages
 from orsd_jax.trainer import step_samples, tasks_for_update, train
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-TIMING = ("time/", "rollout/generated_tokens_per_s", "rollout/env_steps_per_s", "train/tokens_per_s", "train/row_tokens_per_s", "verifier/latency_s")
+TIMING = (
+    "time/",
+    "rollout/generated_tokens_per_s",
+    "rollout/env_steps_per_s",
+    "train/tokens_per_s",
+    "train/row_tokens_per_s",
+    "verifier/latency_s",
+)
 
 
 def _metrics(run: pathlib.Path) -> list[dict]:
@@ -57,8 +64,10 @@ def test_orsd_logs_the_rubric_stage_and_gap(reference):
     # positive once the policy has moved.
     assert records[0]["loss/ref_kl"] == 0.0 and all(r["loss/ref_kl"] > 0 for r in records[1:4])
     # The JAX sampler and the trainer run the same f32 model: their log-probs differ by rounding only.
-    assert all(r["loss/logprob_mismatch_max"] < 1e-3 and r["loss/sampler_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
-               for r in records[:4])  # fmt: skip
+    assert all(
+        r["loss/logprob_mismatch_max"] < 1e-3 and r["loss/sampler_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        for r in records[:4]
+    )
     assert (reference / "policy" / "config.json").is_file() and (reference / "eval").is_dir()
     step = json.loads((reference / "steps" / "00004" / "step.json").read_text())
     assert len(step["groups"]) == 2 and len(step["rubrics"]) == 2
@@ -89,8 +98,15 @@ TIS = dataclasses.replace(preset("tiny").loss, tis_cap=2.0)
 
 
 # Two of them also run the switches of the replay: truncated importance sampling, the packed layout.
-@pytest.mark.parametrize("method, options", [("grpo", {"loss": TIS, "old_logprobs": "trainer"}), ("gigpo", {}), ("orsd-single", {"replay": "packed"}),
-                                             ("orsd-random", {})])  # fmt: skip
+@pytest.mark.parametrize(
+    "method, options",
+    [
+        ("grpo", {"loss": TIS, "old_logprobs": "trainer"}),
+        ("gigpo", {}),
+        ("orsd-single", {"replay": "packed"}),
+        ("orsd-random", {}),
+    ],
+)
 def test_each_method_runs_two_updates(method, options, tmp_path):
     train(dataclasses.replace(preset("tiny"), method=method, **options), tmp_path)
     records = _metrics(tmp_path)
@@ -110,7 +126,18 @@ def test_each_method_runs_two_updates(method, options, tmp_path):
 
 
 def _start(out: pathlib.Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "experiments.train_alfworld", "--preset", "tiny", "--updates", "4", "--out", str(out), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.train_alfworld",
+        "--preset",
+        "tiny",
+        "--updates",
+        "4",
+        "--out",
+        str(out),
+        *extra,
+    ]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -216,7 +243,6 @@ def test_loss_temperature_must_be_the_samplers():
         dataclasses.replace(config, loss=dataclasses.replace(config.loss, temperature=1.0))
 
 
-
 def test_constrained_rubrics_need_vllm():
     config = preset("cpu-demo")
     assert config.rubric.constrained and config.sampler == "vllm"
@@ -256,14 +282,19 @@ def test_step_samples_carry_the_rubric_and_the_prompt_split():
     fmt = chat.chat_format(tokenizer)
     prompt = tuple(chat.prompt_ids(fmt, tokenizer, "go somewhere"))
     step = Step("go somewhere", prompt, (7, 8), (-0.1, -0.2), "r", "o", "a", True, True, 0.0, False, 0)
-    groups = [Group(Task("alfworld", "k", "pick", "d"), (Trajectory(Task("alfworld", "k", "pick", "d"), (step,), False, 0.0),))]
+    groups = [
+        Group(
+            Task("alfworld", "k", "pick", "d"), (Trajectory(Task("alfworld", "k", "pick", "d"), (step,), False, 0.0),)
+        )
+    ]
     criteria = ("The agent checks the desk first.",) * 5
     rubric = GroupRubric((ParsedBundle(criteria, ""),), np.zeros((1, 1)), Selection(0, np.zeros(1), ""))
     samples, index = step_samples(groups, [[np.array([0.5])]], [rubric], fmt, tokenizer)
     s = samples[0]
     assert tuple(s.prefix) + tuple(s.tail) == prompt and tuple(s.tail) == fmt.tail
     assert tokenizer.decode(list(s.prefix) + list(s.insert) + list(s.tail)).endswith(
-        "The agent checks the desk first.<|im_end|>\n<|im_start|>assistant\n")
+        "The agent checks the desk first.<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert s.advantage == 0.5 and index == [(0, 0, 0)]
     plain, _ = step_samples(groups, [[np.array([0.5])]], None, fmt, tokenizer)
     assert plain[0].insert == ()

@@ -65,9 +65,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         choice = {"index": 0, "message": message, "finish_reason": "stop"}
         if kind == "logprobs":
             top = [{"token": t, "logprob": lp, "bytes": None} for t, lp in payload]
-            choice["logprobs"] = {"content": [{"token": "yes", "logprob": payload[0][1], "bytes": None, "top_logprobs": top}]}
-        reply = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"], "choices": [choice],
-                 "usage": {"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107}}
+            choice["logprobs"] = {
+                "content": [{"token": "yes", "logprob": payload[0][1], "bytes": None, "top_logprobs": top}]
+            }
+        reply = {
+            "id": "x",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [choice],
+            "usage": {"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107},
+        }
         self._send(200, json.dumps(reply).encode())
 
     def _send(self, status, data):
@@ -96,14 +104,36 @@ def serve():
 
 def _trajectories(n=2, same=True):
     def step(i):
-        return Step("", (1,), (2,), (-0.1,), "", "You see a fridge 1.", f"open fridge {1 if same else i}", True, True, 0.0, False, 0)
+        return Step(
+            "",
+            (1,),
+            (2,),
+            (-0.1,),
+            "",
+            "You see a fridge 1.",
+            f"open fridge {1 if same else i}",
+            True,
+            True,
+            0.0,
+            False,
+            0,
+        )
 
     return [Trajectory(Task("alfworld", "g", "cool", "cool an apple"), (step(i),), False, 0.0) for i in range(n)]
 
 
 def _verifier(server, tmp_path, **kw):
-    config = VerifierConfig(base_url=server.url, model="judge", timeout_s=1.0, max_retries=2, backoff_s=0.01,
-                            concurrency=2, cache_dir=str(tmp_path / "cache"), price_per_m_input=1.0, **kw)
+    config = VerifierConfig(
+        base_url=server.url,
+        model="judge",
+        timeout_s=1.0,
+        max_retries=2,
+        backoff_s=0.01,
+        concurrency=2,
+        cache_dir=str(tmp_path / "cache"),
+        price_per_m_input=1.0,
+        **kw,
+    )
     return OpenAIVerifier(config)
 
 
@@ -130,7 +160,13 @@ def test_retries_server_errors_then_succeeds(serve, tmp_path):
 
 @pytest.mark.parametrize(
     "behaviour",
-    [("status", 503), ("garbage", None), ("content", "I think the agent did fine."), ("content", '{"1": "yes"}'), ("delay", 3.0)],
+    [
+        ("status", 503),
+        ("garbage", None),
+        ("content", "I think the agent did fine."),
+        ("content", '{"1": "yes"}'),
+        ("delay", 3.0),
+    ],
     ids=["http-error", "not-json", "no-answers", "missing-criteria", "timeout"],
 )
 def test_failed_pair_marks_bundle_invalid_and_is_not_cached(serve, tmp_path, behaviour):

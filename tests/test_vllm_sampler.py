@@ -202,9 +202,15 @@ def test_special_token_strings_in_text_stay_text(sampler, embedded):
     assert chat.decode(tokenizer, chat.encode(tokenizer, injected)) == injected
 
     def served(content):  # the server's own tokenization of a chat turn, as a remote verifier's
-        reply = requests.post(f"{sampler.server.url}/tokenize", json={
-            "model": sampler.server.served_model_name, "messages": [{"role": "user", "content": content}],
-            "add_generation_prompt": True}, timeout=30)  # fmt: skip
+        reply = requests.post(
+            f"{sampler.server.url}/tokenize",
+            json={
+                "model": sampler.server.served_model_name,
+                "messages": [{"role": "user", "content": content}],
+                "add_generation_prompt": True,
+            },
+            timeout=30,
+        )
         reply.raise_for_status()
         return reply.json()["tokens"]
 
@@ -276,7 +282,9 @@ def perturbed(model: CausalLM, seed: int, scale: float = 0.05) -> CausalLM:
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     rng = np.random.default_rng(seed)  # numpy's generator: jax's is ~20x slower eagerly on CPU
-    noisy = [jnp.asarray(x + scale * np.std(x) * rng.standard_normal(x.shape, np.float32)) for x in map(np.asarray, leaves)]
+    noisy = [
+        jnp.asarray(x + scale * np.std(x) * rng.standard_normal(x.shape, np.float32)) for x in map(np.asarray, leaves)
+    ]
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
 
 
@@ -394,7 +402,10 @@ def test_no_orphans_after_the_owner_is_killed(owner):
     assert line.strip().isdigit(), f"the child did not start a server (exit code {owner.poll()})"
     tree = psutil.Process(owner.pid).children(recursive=True)
     names = describe(tree)
-    assert all(name in names for name in ("watchdog.py", "vllm.entrypoints.openai.api_server", "VLLM::EngineCore", "VLLM::Worker"))
+    assert all(
+        name in names
+        for name in ("watchdog.py", "vllm.entrypoints.openai.api_server", "VLLM::EngineCore", "VLLM::Worker")
+    )
     owner.kill()
     owner.wait()
     assert not wait_gone(tree, 30), f"processes left behind after the owner was killed:\n{describe(tree)}"

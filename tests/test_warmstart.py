@@ -29,8 +29,17 @@ ROLLOUT = RolloutConfig(max_steps=4, max_prompt_tokens=1024, max_response_tokens
 @pytest.fixture(scope="module")
 def setup():
     tokenizer = AutoTokenizer.from_pretrained(resolve(EMBEDDED))
-    config = ModelConfig(architecture="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     tasks = load_split(default_games("easy", 0, 200, 50), "train")
     return tokenizer, chat.chat_format(tokenizer), CausalLM(config, nnx.Rngs(0)), tasks
 
@@ -41,21 +50,31 @@ def test_demonstration_prompts_are_the_rollout_prompts(setup):
     sampler = JaxSampler(model, tokenizer, max_model_len=1100, seed=0)
     pool = EnvPool(functools.partial(AlfworldEnv, max_steps=ROLLOUT.max_steps), 2, n_workers=1)
     try:
-        (group,), _ = collect_groups(sampler, pool, tasks[:1], 2, ROLLOUT, seed=3, tokenizer=tokenizer, fmt=fmt,
-                                     build_prompt=build_prompt)  # fmt: skip
+        (group,), _ = collect_groups(
+            sampler, pool, tasks[:1], 2, ROLLOUT, seed=3, tokenizer=tokenizer, fmt=fmt, build_prompt=build_prompt
+        )
     finally:
         pool.close()
     env = AlfworldEnv(max_steps=ROLLOUT.max_steps)
     try:
         for traj in group.trajectories:
             assert len(traj.steps) >= 2  # history enters the later prompts
-            records = record_episode(env, traj.task, [s.action or "" for s in traj.steps], ROLLOUT, build_prompt,
-                                     tokenizer=tokenizer, fmt=fmt)  # fmt: skip
+            records = record_episode(
+                env,
+                traj.task,
+                [s.action or "" for s in traj.steps],
+                ROLLOUT,
+                build_prompt,
+                tokenizer=tokenizer,
+                fmt=fmt,
+            )
             assert [r[0] for r in records] == [s.user_text for s in traj.steps]
             assert [tuple(r[1]) for r in records] == [s.prompt_ids for s in traj.steps]
             assert [r[3] for r in records] == [s.observation for s in traj.steps]
         # And a walkthrough demonstration's prompt at step k is the rollout prompt after its first k actions.
-        demos = walkthrough_demos(env, tasks[1:2], alfworld_walkthrough, ROLLOUT, build_prompt, tokenizer=tokenizer, fmt=fmt)
+        demos = walkthrough_demos(
+            env, tasks[1:2], alfworld_walkthrough, ROLLOUT, build_prompt, tokenizer=tokenizer, fmt=fmt
+        )
         plan = alfworld_walkthrough(tasks[1])
         records = record_episode(env, tasks[1], plan[: len(demos)], ROLLOUT, build_prompt, tokenizer=tokenizer, fmt=fmt)
         assert [d.prompt_ids for d in demos] == [tuple(r[1]) for r in records]
@@ -72,8 +91,12 @@ def test_demonstrations_do_not_depend_on_where_the_games_are(setup, tmp_path):
     assert [t.key for t in moved] != [t.key for t in tasks[:3]]
     env = AlfworldEnv(max_steps=ROLLOUT.max_steps)
     try:
-        a, b = (walkthrough_demos(env, ts, alfworld_walkthrough, ROLLOUT, build_prompt, tokenizer=tokenizer, fmt=fmt,
-                                  max_detours=2) for ts in (tasks[:3], moved))  # fmt: skip
+        a, b = (
+            walkthrough_demos(
+                env, ts, alfworld_walkthrough, ROLLOUT, build_prompt, tokenizer=tokenizer, fmt=fmt, max_detours=2
+            )
+            for ts in (tasks[:3], moved)
+        )
     finally:
         env.close()
     assert [(d.step, d.prompt_ids, d.answer) for d in a] == [(d.step, d.prompt_ids, d.answer) for d in b]
@@ -111,7 +134,6 @@ def test_supervised_loss_counts_answer_tokens_only(setup):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-
 def test_frozen_states_computed_once_give_the_same_loss_and_gradients(setup):
     """The warm start's cached frozen-layer states (per sample, padded back into a batch) give the
     loss and gradients of the full forward."""
@@ -121,7 +143,9 @@ def test_frozen_states_computed_once_give_the_same_loss_and_gradients(setup):
     config = dataclasses.replace(model.config, frozen_layers=1)
     frozen_model = CausalLM(config, nnx.Rngs(1))
     samples = []
-    for k, text in enumerate(["You are in a room.", "You see a drawer 1 and a desk 1. Your task is to: look at a book."]):
+    for k, text in enumerate(
+        ["You are in a room.", "You see a drawer 1 and a desk 1. Your task is to: look at a book."]
+    ):
         prompt = chat.prompt_ids(fmt, tokenizer, text)
         answer = chat.encode(tokenizer, f"<think></think><action>go to desk {k}</action>") + [fmt.stop_token_ids[0]]
         samples.append(demo_sample(Demonstration("g", k, "", tuple(prompt), "", tuple(answer)), fmt))

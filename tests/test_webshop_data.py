@@ -55,7 +55,7 @@ def test_human_goals_need_their_file(tmp_path, webshop_data):
 
 def test_streaming_reader_across_chunk_boundaries(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "_CHUNK_CHARS", 3)  # every value straddles several reads
-    items = [12345, -0.5e3, "a [string], with \"quotes\" ]", {"k": [1, {"n": None}]}, [], True, "ü€"]
+    items = [12345, -0.5e3, 'a [string], with "quotes" ]', {"k": [1, {"n": None}]}, [], True, "ü€"]
     path = tmp_path / "array.json"
     path.write_text(json.dumps(items, indent=1), encoding="utf-8")
     assert [v for _, v in iter_json(path)] == items

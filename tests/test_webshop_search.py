@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from orsd_jax.envs.webshop.search import B, K1, SEARCH_RETURN_N, analyze, document_text
+from orsd_jax.envs.webshop.search import K1, SEARCH_RETURN_N, B, analyze, document_text
 from orsd_jax.envs.webshop.world import load_world
 
 

@@ -8,7 +8,8 @@ beside it (``prompts.py`` of each environment, ``orsd_jax.envs.actions``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ import atexit
 import multiprocessing as mp
 import os
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from orsd_jax.envs.base import EnvStep, Task, TextEnv
 
@@ -58,8 +59,9 @@ class EnvPool:
     environment, where None skips that environment (finished episodes) and returns None for it.
     """
 
-    def __init__(self, make_env: Callable[[], TextEnv], n_envs: int, n_workers: int | None = None,
-                 timeout: float = 300.0):
+    def __init__(
+        self, make_env: Callable[[], TextEnv], n_envs: int, n_workers: int | None = None, timeout: float = 300.0
+    ):
         # ``timeout``: seconds a worker may take for one call (its build included). ALFWorld
         # resets take 0.5 s and WebShop searches under 1 s; a hung game engine would otherwise
         # block training forever.
@@ -94,8 +96,9 @@ class EnvPool:
             if not conn.poll(self.timeout):
                 proc.kill()
                 proc.join(timeout=5)
-                return EnvWorkerError(f"environment worker {w} (pid {proc.pid}) did not answer within "
-                                      f"{self.timeout:g} s and was killed")  # fmt: skip
+                return EnvWorkerError(
+                    f"environment worker {w} (pid {proc.pid}) did not answer within {self.timeout:g} s and was killed"
+                )
             status, payload = conn.recv()
         except (EOFError, OSError, ConnectionError) as err:
             proc.join(timeout=1)
@@ -158,7 +161,7 @@ class EnvPool:
         self._conns, self._procs = [], []
         atexit.unregister(self.close)
 
-    def __enter__(self) -> "EnvPool":
+    def __enter__(self) -> EnvPool:
         return self
 
     def __exit__(self, *exc) -> None:

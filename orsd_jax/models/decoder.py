@@ -15,7 +15,8 @@ H head dim, F MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,7 @@ class ModelConfig:
         return self.architecture == "qwen3"
 
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any] | Any, **overrides) -> "ModelConfig":
+    def from_hf_config(cls, hf: Mapping[str, Any] | Any, **overrides) -> ModelConfig:
         """From a Hugging Face ``config.json`` dict or ``PretrainedConfig``."""
         hf = dict(hf if isinstance(hf, Mapping) else hf.to_dict())
         model_type = hf.get("model_type")
@@ -147,7 +148,7 @@ class KVCache(NamedTuple):
     v: jax.Array
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
+    def zeros(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
         shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
         dtype = jnp.dtype(config.compute_dtype)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -345,7 +346,9 @@ class CausalLM(nnx.Module):
             if frozen is not None:
                 raise ValueError("keys_values needs the frozen layers' keys: run them (frozen=None)")
             x, bottom = self._layers(self._embed(input_ids), positions, mask, slice(0, k), keys_values=True)
-            x, top = self._layers(jax.lax.stop_gradient(x) if k else x, positions, mask, slice(k, None), keys_values=True)
+            x, top = self._layers(
+                jax.lax.stop_gradient(x) if k else x, positions, mask, slice(k, None), keys_values=True
+            )
             return self.final_norm(x), KVCache(*(jnp.concatenate(pair) for pair in zip(bottom, top)))
         if frozen is None:
             frozen = self.frozen_states(input_ids, positions, mask=mask)
@@ -428,7 +431,9 @@ class CausalLM(nnx.Module):
         See ``logprobs_from_hidden``; also returns the entropy ``[B, T]`` if asked.
         """
         hidden, _ = self.hidden_states(input_ids, positions, segment_ids, mask=mask)
-        return self.logprobs_from_hidden(hidden, targets, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy)
+        return self.logprobs_from_hidden(
+            hidden, targets, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy
+        )
 
     def logprobs_from_hidden(
         self,

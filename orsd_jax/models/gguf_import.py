@@ -87,7 +87,10 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> pat
         "num_key_value_heads": kv_heads,
         "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
         "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10_000.0))},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10_000.0)),
+        },
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": _field(reader, f"{arch}.context_length"),
         "tie_word_embeddings": tied,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -145,7 +145,9 @@ def load_hf_params(directory: str | os.PathLike, **config_overrides) -> CausalLM
     if by_name:
         raise CheckpointError(f"{directory} lacks tensors: {', '.join(sorted(by_name)[:5])}")
     values.update({path: np.stack(parts) for path, parts in layers.items()})
-    state = nnx.from_flat_state([(path, v.replace(jnp.asarray(values[path]))) for path, v in nnx.to_flat_state(abstract_state)])
+    state = nnx.from_flat_state(
+        [(path, v.replace(jnp.asarray(values[path]))) for path, v in nnx.to_flat_state(abstract_state)]
+    )
     return nnx.merge(graphdef, state)
 
 
@@ -164,7 +166,9 @@ def hf_tensors(model: CausalLM) -> dict[str, np.ndarray]:
     return out
 
 
-def save_hf(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> pathlib.Path:
+def save_hf(
+    model: CausalLM, tokenizer, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> pathlib.Path:
     """Writes a directory that transformers' ``AutoModelForCausalLM`` and vLLM load as they are.
 
     Weights above ``max_shard_bytes`` are split into ``model-0000k-of-0000n.safetensors`` files

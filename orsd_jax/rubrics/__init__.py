@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from orsd_jax.rollout import Group
 from orsd_jax.rubrics.generate import (
-    RubricConfig, generate_bundles, group_prompt, rubric_insert, rubric_prompt,
+    RubricConfig,
+    generate_bundles,
+    group_prompt,
+    rubric_insert,
+    rubric_prompt,
 )
 from orsd_jax.rubrics.parse import MAX_CRITERIA, MIN_CRITERIA, ParsedBundle, bundle_regex, parse_bundle
 from orsd_jax.rubrics.select import MODES, Selection, average_ranks, select_bundle, spearman
-from orsd_jax.rubrics.verify import DASHSCOPE, LocalModelVerifier, OpenAIVerifier, Verifier, VerifierConfig, VerifierStats
+from orsd_jax.rubrics.verify import (
+    DASHSCOPE,
+    LocalModelVerifier,
+    OpenAIVerifier,
+    Verifier,
+    VerifierConfig,
+    VerifierStats,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +80,9 @@ def rubric_metrics(results: Sequence[GroupRubric]) -> dict[str, float]:
         "rubric/repeated_criteria": float(sum(b.repeats for b in bundles)),
         "rubric/rejected_with_repeats": float(sum(not b.valid and b.repeats > 0 for b in bundles)),
         "rubric/verified_bundles": float(sum(v.sum() for v in verified)),
-        "rubric/criteria_per_valid_bundle": float(np.mean([len(b.criteria) for b in bundles if b.valid])) if any(b.valid for b in bundles) else 0.0,
+        "rubric/criteria_per_valid_bundle": float(np.mean([len(b.criteria) for b in bundles if b.valid]))
+        if any(b.valid for b in bundles)
+        else 0.0,
         "rubric/groups_with_rubric": float(len(chosen)),
         "rubric/chosen_correlation": float(np.mean(chosen)) if chosen else float("nan"),
         "rubric/correlation_spread": float(np.mean(spreads)) if spreads else float("nan"),

@@ -13,7 +13,7 @@ over ``K + 1`` branches (``time/selection_replay``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,7 +26,13 @@ from orsd_jax.rubrics.select import Selection, spearman
 
 
 def trajectory_gaps(
-    model, group: Group, bundles: Sequence[ParsedBundle], fmt: chat.ChatFormat, tokenizer, *, temperature: float,
+    model,
+    group: Group,
+    bundles: Sequence[ParsedBundle],
+    fmt: chat.ChatFormat,
+    tokenizer,
+    *,
+    temperature: float,
     chunk_size: int = 64,
 ) -> np.ndarray:
     """``float[K, G]``: each trajectory's mean (over its steps) of the step's mean token gap under
@@ -44,8 +50,12 @@ def trajectory_gaps(
             branches = [(insert + tail, response) for insert in inserts] + [(tail, response)]
             rows.append((list(step.prompt_ids[: -len(tail)]), branches))
             owner.append(t)
-    scored = branch_logprobs(model, rows, temperature=temperature, chunk_size=chunk_size, branch_multiple=len(valid) + 1)
-    step_gaps = np.array([[float(np.mean(logp[i] - logp[-1])) for i in range(len(valid))] for logp in scored])  # [S, K']
+    scored = branch_logprobs(
+        model, rows, temperature=temperature, chunk_size=chunk_size, branch_multiple=len(valid) + 1
+    )
+    step_gaps = np.array(
+        [[float(np.mean(logp[i] - logp[-1])) for i in range(len(valid))] for logp in scored]
+    )  # [S, K']
     owner = np.array(owner)
     for i, k in enumerate(valid):
         out[k] = [step_gaps[owner == t, i].mean() for t in range(len(group.trajectories))]

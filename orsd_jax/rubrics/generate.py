@@ -10,7 +10,7 @@ user turn (see ``orsd_jax.chat``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from orsd_jax import chat
 from orsd_jax.envs.base import Task
@@ -18,7 +18,6 @@ from orsd_jax.rollout import Group, Trajectory
 from orsd_jax.rubrics.parse import ParsedBundle, bundle_regex, parse_bundle
 from orsd_jax.rubrics.render import render_group
 from orsd_jax.sampling.base import Sampler, SamplingParams
-
 
 RANK_TARGETS = ("outcome", "return")
 SELECTIONS = ("spearman", "single", "random", "gap-alignment")
@@ -86,7 +85,9 @@ def rubric_insert(criteria: Sequence[str]) -> str:
     return f"\n\nA good attempt at this task satisfies these criteria:\n{numbered}"
 
 
-def group_prompt(task: Task, trajectories: Sequence[Trajectory], config: RubricConfig, *, tokenizer, fmt: chat.ChatFormat) -> list[int]:
+def group_prompt(
+    task: Task, trajectories: Sequence[Trajectory], config: RubricConfig, *, tokenizer, fmt: chat.ChatFormat
+) -> list[int]:
     """The rubric writer's prompt for one group: every trajectory rendered within the token budget,
     halved until the whole prompt fits ``config.max_prompt_tokens``."""
 

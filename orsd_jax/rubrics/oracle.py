@@ -19,7 +19,7 @@ Every bundle is what ``parse_bundle`` reads back from its numbered list (the for
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from orsd_jax.demos import alfworld_walkthrough
 from orsd_jax.envs.base import Task
@@ -103,7 +103,9 @@ def oracle_bundle(criteria: Sequence[str]) -> tuple[str, ...]:
     criteria = tuple(_UNSAFE.sub(" ", c).strip(" \"'") for c in criteria)
     parsed = parse_bundle("\n".join(f"{k}. {c}" for k, c in enumerate(criteria, start=1)))
     if not parsed.valid or parsed.criteria != criteria:
-        raise ValueError(f"not a bundle of exactly these criteria ({parsed.reason or 'changed by parsing'}): {criteria}")
+        raise ValueError(
+            f"not a bundle of exactly these criteria ({parsed.reason or 'changed by parsing'}): {criteria}"
+        )
     return criteria
 
 
@@ -141,7 +143,11 @@ def webshop_oracle(goal: Goal) -> tuple[str, ...]:
     words = _listing([goal.query, *attributes])
     having = f" with {_listing(attributes)}" if attributes else ""
     head = [f"Searches with the key words {words}", f"Opens a {goal.query} product{having}"]
-    buy = "Clicks buy now only after choosing every option the request names" if options else "Clicks buy now on that product"
+    buy = (
+        "Clicks buy now only after choosing every option the request names"
+        if options
+        else "Clicks buy now on that product"
+    )
     tail = [buy]
     if goal.price_upper < NO_PRICE_BOUND:
         tail.insert(0, f"Buys a product that costs less than {goal.price_upper:.2f} dollars")

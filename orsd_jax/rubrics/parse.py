@@ -123,7 +123,11 @@ def parse_bundle(text: str, cut: bool = False) -> ParsedBundle:
     if cut:
         text = text[: text.rfind("\n") + 1]
     bundle = _parse(_THINK.sub("", text))
-    return dataclasses.replace(bundle, reason=f"{bundle.reason} (cut by the token limit)") if cut and bundle.reason else bundle
+    return (
+        dataclasses.replace(bundle, reason=f"{bundle.reason} (cut by the token limit)")
+        if cut and bundle.reason
+        else bundle
+    )
 
 
 def _parse(text: str) -> ParsedBundle:

@@ -10,7 +10,7 @@ count in a header would state the outcome; the steps themselves are the only evi
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from orsd_jax.rollout import Trajectory
 
@@ -50,15 +50,14 @@ def render_trajectory(
     return f"... ({len(lines)} steps left out) ..."
 
 
-def render_group(
-    trajectories: Sequence[Trajectory], budget_tokens: int, count_tokens: Callable[[str], int]
-) -> str:
+def render_group(trajectories: Sequence[Trajectory], budget_tokens: int, count_tokens: Callable[[str], int]) -> str:
     """The attempts one after another; a first observation common to all of them is shown once."""
     starts = {t.steps[0].observation if t.steps else None for t in trajectories}
     start = starts.pop() if len(starts) == 1 else None
     attempts = "\n\n".join(
-        f"Attempt {i}:\n"
-        f"{render_trajectory(t, budget_tokens, count_tokens, start_shown=start is not None)}"
+        f"Attempt {i}:\n{render_trajectory(t, budget_tokens, count_tokens, start_shown=start is not None)}"
         for i, t in enumerate(trajectories, start=1)
     )
-    return attempts if start is None else f"Every attempt starts from: {_clip(start, MAX_OBSERVATION_CHARS)}\n\n{attempts}"
+    return (
+        attempts if start is None else f"Every attempt starts from: {_clip(start, MAX_OBSERVATION_CHARS)}\n\n{attempts}"
+    )

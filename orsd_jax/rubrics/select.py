@@ -60,7 +60,11 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def select_bundle(
-    satisfaction: np.ndarray, rewards: np.ndarray, mode: str, rng: np.random.Generator, min_correlation: float | None = None
+    satisfaction: np.ndarray,
+    rewards: np.ndarray,
+    mode: str,
+    rng: np.random.Generator,
+    min_correlation: float | None = None,
 ) -> Selection:
     """``satisfaction [K, G]`` (NaN rows for invalid bundles, NaN columns for trajectories no
     bundle could score), ``rewards [G]``. Correlations are over the scored trajectories (see the

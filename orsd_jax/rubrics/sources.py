@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from orsd_jax.envs.base import Task
 from orsd_jax.rubrics.parse import ParsedBundle, parse_bundle
@@ -56,7 +56,11 @@ def shuffled(bundles: Sequence[tuple[str, ...]], tasks: Sequence[Task]) -> list[
         raise ValueError("a shuffled rubric needs at least two different tasks in the update")
     out = []
     for g, task in enumerate(tasks):
-        other = next(k % len(tasks) for k in range(g + 1, g + len(tasks)) if tasks[k % len(tasks)].description != task.description)
+        other = next(
+            k % len(tasks)
+            for k in range(g + 1, g + len(tasks))
+            if tasks[k % len(tasks)].description != task.description
+        )
         out.append(bundles[other])
     return out
 
@@ -112,5 +116,8 @@ def candidates(
     if source == "file":
         if rubrics is None:
             raise ValueError("the file source needs its rubrics (RubricConfig.source_file)")
-        return [[ParsedBundle(rubrics[t.key], "") if t.key in rubrics else ParsedBundle((), "no rubric in the file")] for t in tasks]
+        return [
+            [ParsedBundle(rubrics[t.key], "") if t.key in rubrics else ParsedBundle((), "no rubric in the file")]
+            for t in tasks
+        ]
     raise ValueError(f"source {source!r} has no fixed candidates; expected one of {SOURCES[1:]}")

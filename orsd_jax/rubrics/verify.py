@@ -47,7 +47,8 @@ import re
 import threading
 import time
 import urllib.parse
-from typing import Callable, Iterator, Mapping, Protocol, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import httpx2
 import jax
@@ -166,17 +167,15 @@ def binary_prompt(task: str, trajectory_text: str, criteria: Sequence[str]) -> s
     numbered = "\n".join(f"{k}. {_quoted(c)}" for k, c in enumerate(criteria, start=1))
     example = ", ".join(f'"{k}": "yes"' if k % 2 else f'"{k}": "no"' for k in range(1, min(len(criteria), 3) + 1))
     return (
-        _attempt(task, trajectory_text)
-        + f"Criteria:\n{numbered}\n\n"
+        _attempt(task, trajectory_text) + f"Criteria:\n{numbered}\n\n"
         "For each criterion, judge whether the attempt satisfies it. Reply with only a JSON object that "
-        f"maps every criterion number to \"yes\" or \"no\", for example {{{example}}}."
+        f'maps every criterion number to "yes" or "no", for example {{{example}}}.'
     )
 
 
 def criterion_prompt(task: str, trajectory_text: str, criterion: str) -> str:
     return (
-        _attempt(task, trajectory_text)
-        + f"Criterion: {_quoted(criterion)}\n"
+        _attempt(task, trajectory_text) + f"Criterion: {_quoted(criterion)}\n"
         "Does the attempt satisfy the criterion? Answer with one word: yes or no."
     )
 
@@ -314,7 +313,10 @@ class OpenAIVerifier:
         self._api_key = api_key
         # Retries are ours (counted, with backoff and Retry-After), so the client's own are off.
         self._client = client or openai.OpenAI(
-            base_url=config.base_url, api_key=api_key or "EMPTY", timeout=config.timeout_s, max_retries=0,
+            base_url=config.base_url,
+            api_key=api_key or "EMPTY",
+            timeout=config.timeout_s,
+            max_retries=0,
             http_client=openai.DefaultHttpxClient(transport=_DeadlineTransport(config.timeout_s)),
         )
         self._cache = pathlib.Path(config.cache_dir) if config.cache_dir else None
@@ -346,7 +348,9 @@ class OpenAIVerifier:
             listed = [m.model_dump() for m in self._client.models.list().data]
         except (openai.OpenAIError, ValueError, TypeError, AttributeError):  # no listing, or not the OpenAI shape
             listed = []
-        served = [{k: m.get(k) for k in ("id", "root", "max_model_len")} for m in listed if m.get("id") == self.config.model]
+        served = [
+            {k: m.get(k) for k in ("id", "root", "max_model_len")} for m in listed if m.get("id") == self.config.model
+        ]
         where = "loopback" if served and is_loopback(self.config.base_url) else self.config.base_url
         return json.dumps([where, served[0] if served else None])
 
@@ -400,7 +404,9 @@ class OpenAIVerifier:
             log.warning(
                 "verifier circuit breaker open: %d requests in a row to %s failed; no requests for %.0f s "
                 "(their scores are NaN, counted in breaker_skips)",
-                config.breaker_failures, config.base_url, config.breaker_cooldown_s,
+                config.breaker_failures,
+                config.base_url,
+                config.breaker_cooldown_s,
             )
         elif was_open and reached:
             log.info("verifier circuit breaker closed: %s answers again", config.base_url)
@@ -472,14 +478,21 @@ class OpenAIVerifier:
                 return answer
             self._count(**{outcome.fault or "unparsed": 1})
             server_wait = outcome.retry_after_s
-            wait = self.config.backoff_s * 2**attempt if server_wait is None else min(server_wait, self.config.max_retry_after_s)
+            wait = (
+                self.config.backoff_s * 2**attempt
+                if server_wait is None
+                else min(server_wait, self.config.max_retry_after_s)
+            )
         self._count(failures=1)
         self._record(reached=outcome.raw is not None)
         return None
 
-    def score_many(self, task: str, trajectories: Sequence[Trajectory], bundles: Sequence[Sequence[str]]) -> list[np.ndarray]:
+    def score_many(
+        self, task: str, trajectories: Sequence[Trajectory], bundles: Sequence[Sequence[str]]
+    ) -> list[np.ndarray]:
         """Raises VerifierError when the endpoint refuses (see ``is_fatal_status``); every other
         fault leaves NaN for the pairs it hit."""
+
         def count_tokens(text: str) -> int:
             return len(text) // 4
 
@@ -490,7 +503,16 @@ class OpenAIVerifier:
         for b, criteria in enumerate(bundles):
             for i, text in enumerate(texts):
                 if self.config.mode == "binary":
-                    jobs.append((b, i, None, binary_prompt(task, text, criteria), lambda s, n=len(criteria): parse_binary_answer(s, n), False))
+                    jobs.append(
+                        (
+                            b,
+                            i,
+                            None,
+                            binary_prompt(task, text, criteria),
+                            functools.partial(parse_binary_answer, n_criteria=len(criteria)),
+                            False,
+                        )
+                    )
                 else:
                     for k, criterion in enumerate(criteria):
                         jobs.append((b, i, k, criterion_prompt(task, text, criterion), yes_probability, True))
@@ -499,7 +521,7 @@ class OpenAIVerifier:
         unique = {(job[3], job[5]): job for job in jobs}
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
             answered = dict(zip(unique, pool.map(lambda job: self._request(job[3], job[4], job[5]), unique.values())))
-            for (b, i, k, prompt, _, logprobs) in jobs:
+            for b, i, k, prompt, _, logprobs in jobs:
                 answer = answered[(prompt, logprobs)]
                 if answer is None:
                     continue
@@ -535,10 +557,17 @@ class LocalModelVerifier:
             raise ValueError("the tokenizer has no single-token 'yes' / 'no' to score with")
         self.stats = VerifierStats()
 
-    def score_many(self, task: str, trajectories: Sequence[Trajectory], bundles: Sequence[Sequence[str]]) -> list[np.ndarray]:
+    def score_many(
+        self, task: str, trajectories: Sequence[Trajectory], bundles: Sequence[Sequence[str]]
+    ) -> list[np.ndarray]:
         texts = [render_trajectory(t, self._budget, lambda s: len(s) // 4) for t in trajectories]
-        jobs = [(b, i, k) for b, criteria in enumerate(bundles) for i in range(len(texts)) for k in range(len(criteria))]
-        prompts = [chat.prompt_ids(self._fmt, self._tokenizer, criterion_prompt(task, texts[i], bundles[b][k])) for b, i, k in jobs]
+        jobs = [
+            (b, i, k) for b, criteria in enumerate(bundles) for i in range(len(texts)) for k in range(len(criteria))
+        ]
+        prompts = [
+            chat.prompt_ids(self._fmt, self._tokenizer, criterion_prompt(task, texts[i], bundles[b][k]))
+            for b, i, k in jobs
+        ]
         probs = []
         for start in range(0, len(prompts), self._rows):
             probs += self._yes_probabilities(prompts[start : start + self._rows])

@@ -9,7 +9,8 @@ temperature, top-k and top-p), which is what an importance ratio against the sam
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 
 class SamplingError(ValueError):

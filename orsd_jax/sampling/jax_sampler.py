@@ -11,7 +11,7 @@ are kept, the text is cut before it or after it with ``include_stop``, as vLLM r
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -102,7 +102,9 @@ class JaxSampler:
         batch = _batch_bucket(n, self.max_batch)
         prompt_len = _bucket(max(map(len, rows)), self.length_bucket)
         new_tokens = min(params.max_new_tokens, self.max_model_len - min(map(len, rows)))
-        cache_len = min(_bucket(prompt_len + new_tokens, self.length_bucket), _bucket(self.max_model_len, self.length_bucket))
+        cache_len = min(
+            _bucket(prompt_len + new_tokens, self.length_bucket), _bucket(self.max_model_len, self.length_bucket)
+        )
         tokens = np.zeros((batch, prompt_len), np.int32)
         lengths = np.ones((batch,), np.int32)
         budget = np.zeros((batch,), np.int32)  # new tokens each row may emit (room in the context)
@@ -132,7 +134,9 @@ class JaxSampler:
             for i in range(n)
         ]
 
-    def _completion(self, ids: np.ndarray, logp: np.ndarray, hit_stop_token: bool, params: SamplingParams) -> Completion:
+    def _completion(
+        self, ids: np.ndarray, logp: np.ndarray, hit_stop_token: bool, params: SamplingParams
+    ) -> Completion:
         ids, logp = ids.tolist(), logp.tolist()
         finish = "stop" if hit_stop_token else "length"
         text = chat.decode(self.tokenizer, ids)
@@ -148,7 +152,9 @@ class JaxSampler:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 12))
-def _decode(graphdef, config, max_new, temperature, top_k, top_p, state, tokens, lengths, budget, stop_ids, key, cache_len):
+def _decode(
+    graphdef, config, max_new, temperature, top_k, top_p, state, tokens, lengths, budget, stop_ids, key, cache_len
+):
     """Returns tokens ``[B, max_new]``, their log-probs, counts ``[B]`` and whether a stop token ended the row."""
     model = nnx.merge(graphdef, state)
     batch, prompt_len = tokens.shape

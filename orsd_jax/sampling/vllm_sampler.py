@@ -21,7 +21,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import requests
 
@@ -32,8 +32,17 @@ from orsd_jax.sampling.vllm_server import ServerError, ServerOptions, VLLMServer
 # ModelConfig fields that decide the tensors and the numerics; the rest (token ids, dtypes)
 # may differ between the pushed model and the served one.
 _SERVED_FIELDS = (
-    "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-    "num_kv_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rms_norm_eps",
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
 )
 
 
@@ -243,7 +252,7 @@ class VLLMSampler:
         if self._owns_scratch:
             shutil.rmtree(self.scratch_dir, ignore_errors=True)
 
-    def __enter__(self) -> "VLLMSampler":
+    def __enter__(self) -> VLLMSampler:
         return self
 
     def __exit__(self, *exc) -> None:

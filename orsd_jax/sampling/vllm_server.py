@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import requests
 
@@ -87,7 +87,13 @@ class VLLMServer:
     ``served_model_name``, ``max_model_len``, ``log_path``, ``owned``.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, options: ServerOptions = ServerOptions(), *, log_path: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        options: ServerOptions = ServerOptions(),
+        *,
+        log_path: str | os.PathLike | None = None,
+    ):
         self.options = options
         self.owned = True
         self.served_model_name = options.served_model_name
@@ -106,7 +112,7 @@ class VLLMServer:
             raise
 
     @classmethod
-    def attach(cls, url: str) -> "VLLMServer":
+    def attach(cls, url: str) -> VLLMServer:
         """A handle on a server someone else runs: it is never restarted or stopped from here."""
         self = cls.__new__(cls)
         self.options, self.owned, self.log_path = None, False, None
@@ -158,7 +164,7 @@ class VLLMServer:
             self._stop()
             atexit.unregister(self.close)
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -168,20 +174,32 @@ class VLLMServer:
         o = self.options
         port = self.url.rsplit(":", 1)[1]
         args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir),
-            "--host", HOST,
-            "--port", port,
-            "--served-model-name", o.served_model_name,
-            "--max-model-len", str(o.max_model_len),
-            "--dtype", o.dtype or ("float32" if _cpu_build() else "auto"),
-            "--seed", str(o.seed),
-            "--logprobs-mode", o.logprobs_mode,
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--host",
+            HOST,
+            "--port",
+            port,
+            "--served-model-name",
+            o.served_model_name,
+            "--max-model-len",
+            str(o.max_model_len),
+            "--dtype",
+            o.dtype or ("float32" if _cpu_build() else "auto"),
+            "--seed",
+            str(o.seed),
+            "--logprobs-mode",
+            o.logprobs_mode,
             # Sampling defaults from the model's generation_config.json (Qwen3 ships top-k and
             # top-p) would silently change what requests ask for.
-            "--generation-config", "vllm",
+            "--generation-config",
+            "vllm",
             "--disable-uvicorn-access-log",
-            "--worker-extension-cls", WORKER_EXTENSION,
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
         ]
         if o.eager or (o.eager is None and _cpu_build()):
             args.append("--enforce-eager")
@@ -212,12 +230,18 @@ class VLLMServer:
             log.write(f"\n==== orsd_jax: starting vLLM on {self.url} with {model_dir}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                self._command(model_dir), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True,
+                self._command(model_dir),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
         self._watchdog = subprocess.Popen(
             [sys.executable, watchdog.__file__, str(os.getpid()), str(self._proc.pid), str(o.shutdown_grace_s)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
         )
         self.model_dir = model_dir
         self._wait_ready()

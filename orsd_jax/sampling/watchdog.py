@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 POLL_S = 0.2
 

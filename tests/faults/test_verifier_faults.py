@@ -20,7 +20,7 @@ import shutil
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -28,8 +28,15 @@ import scipy.stats
 
 from orsd_jax.envs.base import Task
 from orsd_jax.rollout import Group, Step, Trajectory
-from orsd_jax.rubrics import DASHSCOPE, OpenAIVerifier, ParsedBundle, VerifierConfig, select_bundle, verify_and_select
-from orsd_jax.rubrics import verify
+from orsd_jax.rubrics import (
+    DASHSCOPE,
+    OpenAIVerifier,
+    ParsedBundle,
+    VerifierConfig,
+    select_bundle,
+    verify,
+    verify_and_select,
+)
 
 TASK = Task("alfworld", "g", "cool", "cool an apple")
 CRITERIA = ("The agent opens the fridge.", "The agent takes the apple.", "The agent goes to the sink.")
@@ -38,7 +45,9 @@ NO = '{"1": "no", "2": "no", "3": "no"}'
 SECRET = "sk-test-secret-0123456789"
 KEY_ENV = "ORSD_TEST_VERIFIER_KEY"
 MARKER = "UNSCORABLE"
-LISTING = [{"id": "judge", "object": "model", "created": 0, "owned_by": "vllm", "root": "weights-a", "max_model_len": 4096}]
+LISTING = [
+    {"id": "judge", "object": "model", "created": 0, "owned_by": "vllm", "root": "weights-a", "max_model_len": 4096}
+]
 
 # What the server does with one chat request: ("answer", content), ("status", code, headers),
 # ("raw", body bytes, Content-Length or None for the body's own), ("drip", content, seconds a byte).
@@ -73,8 +82,16 @@ class FaultServer(http.server.ThreadingHTTPServer):
 
 def _completion(model: str, content: str) -> bytes:
     choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
-    return json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": model, "choices": [choice],
-                       "usage": {"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107}}).encode()
+    return json.dumps(
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "choices": [choice],
+            "usage": {"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107},
+        }
+    ).encode()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -100,7 +117,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(200, _completion(body["model"], action[1]))
         elif action[0] == "status":
             # Providers echo what they were sent; the verifier must not pass the key on.
-            error = {"error": {"message": f"scripted failure for {self.headers.get('Authorization')}", "code": action[1]}}
+            error = {
+                "error": {"message": f"scripted failure for {self.headers.get('Authorization')}", "code": action[1]}
+            }
             self._send(action[1], json.dumps(error).encode(), dict(action[2]) if len(action) > 2 else {})
         elif action[0] == "raw":
             self.close_connection = True
@@ -177,8 +196,18 @@ def _free_port() -> int:
 
 
 def _step(action: str, reward: float) -> Step:
-    values = {"user_text": "", "prompt_ids": (1,), "response_ids": (2,), "logprobs": (-0.1,), "response_text": "",
-              "observation": "You see a fridge 1.", "action": action, "reward": reward, "truncated": False, "weight_version": 0}
+    values = {
+        "user_text": "",
+        "prompt_ids": (1,),
+        "response_ids": (2,),
+        "logprobs": (-0.1,),
+        "response_text": "",
+        "observation": "You see a fridge 1.",
+        "action": action,
+        "reward": reward,
+        "truncated": False,
+        "weight_version": 0,
+    }
     # The validity flags, whatever the rollout names them, are all True.
     return Step(**{f.name: values.get(f.name, True) for f in dataclasses.fields(Step)})
 
@@ -191,7 +220,9 @@ def _trajectories(n: int, rewards=None, marker_at: int | None = None) -> tuple[T
 
 
 def _config(url: str, tmp_path, **kw) -> VerifierConfig:
-    fast = dict(model="judge", timeout_s=1.0, max_retries=1, backoff_s=0.01, concurrency=2, cache_dir=str(tmp_path / "cache"))
+    fast = dict(
+        model="judge", timeout_s=1.0, max_retries=1, backoff_s=0.01, concurrency=2, cache_dir=str(tmp_path / "cache")
+    )
     return VerifierConfig(base_url=url, **{**fast, **kw})
 
 
@@ -344,7 +375,9 @@ def test_selection_drops_trajectories_no_bundle_scored():
     # Column 3 no bundle scored is dropped; bundle 0's own gap at column 1 leaves it undefined.
     kept = [0, 1, 2, 4]
     assert np.isnan(selection.correlations[0]) and np.isnan(selection.correlations[2])
-    assert selection.correlations[1] == pytest.approx(scipy.stats.spearmanr(satisfaction[1, kept], rewards[kept]).statistic)
+    assert selection.correlations[1] == pytest.approx(
+        scipy.stats.spearmanr(satisfaction[1, kept], rewards[kept]).statistic
+    )
     assert selection.index == 1
 
 
@@ -384,7 +417,10 @@ def test_missing_key_fails_at_construction_except_on_loopback(monkeypatch):
 
 def test_cache_is_keyed_by_the_endpoint(serve, tmp_path):
     # Same served name "judge", other weights (as a listing's root names them).
-    first, second = serve(always(("answer", YES))), serve(always(("answer", NO)), models=[{**LISTING[0], "root": "weights-b"}])
+    first, second = (
+        serve(always(("answer", YES))),
+        serve(always(("answer", NO)), models=[{**LISTING[0], "root": "weights-b"}]),
+    )
     trajectories = _trajectories(3)
     ones = OpenAIVerifier(_config(first.url, tmp_path)).score(TASK.description, trajectories, CRITERIA)
     other = OpenAIVerifier(_config(second.url, tmp_path))

@@ -22,8 +22,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from orsd_jax.envs.alfworld.difficulty import Difficulty, get_difficulty
 from orsd_jax.envs.alfworld.generation import GENERATOR_VERSION, SPLITS, generate_games
@@ -109,7 +109,9 @@ def interleave_types(tasks: Sequence[Task]) -> list[Task]:
     by_type: dict[str, list[Task]] = {}
     for task in sorted(tasks, key=lambda t: t.key):
         by_type.setdefault(task.task_type, []).append(task)
-    position = {t.key: ((j + 0.5) / len(ts), TASK_TYPES.index(kind)) for kind, ts in by_type.items() for j, t in enumerate(ts)}
+    position = {
+        t.key: ((j + 0.5) / len(ts), TASK_TYPES.index(kind)) for kind, ts in by_type.items() for j, t in enumerate(ts)
+    }
     return sorted(tasks, key=lambda t: (*position[t.key], t.key))
 
 

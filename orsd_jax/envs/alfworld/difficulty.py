@@ -43,12 +43,33 @@ class Difficulty:
             raise ValueError(f"target_instances must be (min, max) with 1 <= min <= max, got {self.target_instances}")
 
 
-EASY = Difficulty("easy", receptacles=(3, 5), distractors=(0, 2), target_instances=(1, 1),
-                  target_placement="visible", closed_goal=False, task_weights=(2, 2, 1, 1, 1, 1))
-STANDARD = Difficulty("standard", receptacles=None, distractors=None, target_instances=(1, 3),
-                      target_placement="any", closed_goal=True, task_weights=(1, 1, 1, 1, 1, 1))
-HARD = Difficulty("hard", receptacles=None, distractors=None, target_instances=(1, 2),
-                  target_placement="hidden", closed_goal=True, task_weights=(1, 1, 2, 2, 2, 2))
+EASY = Difficulty(
+    "easy",
+    receptacles=(3, 5),
+    distractors=(0, 2),
+    target_instances=(1, 1),
+    target_placement="visible",
+    closed_goal=False,
+    task_weights=(2, 2, 1, 1, 1, 1),
+)
+STANDARD = Difficulty(
+    "standard",
+    receptacles=None,
+    distractors=None,
+    target_instances=(1, 3),
+    target_placement="any",
+    closed_goal=True,
+    task_weights=(1, 1, 1, 1, 1, 1),
+)
+HARD = Difficulty(
+    "hard",
+    receptacles=None,
+    distractors=None,
+    target_instances=(1, 2),
+    target_placement="hidden",
+    closed_goal=True,
+    task_weights=(1, 1, 2, 2, 2, 2),
+)
 PRESETS = {d.name: d for d in (EASY, STANDARD, HARD)}
 
 

@@ -63,7 +63,7 @@ class AlfworldEnv:
                 f"the episode of {self._task.key} is over (won or {self.max_steps} steps); call reset() first"
             )
         if not isinstance(action, str):
-            raise TypeError(f"action must be a string (\"\" for no valid action), got {type(action).__name__}")
+            raise TypeError(f'action must be a string ("" for no valid action), got {type(action).__name__}')
         state, _, _ = self._engine.step(action)
         self._steps += 1
         return self._env_step(state, reward=WIN_REWARD if state["won"] else 0.0)

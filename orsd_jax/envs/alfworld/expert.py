@@ -19,7 +19,7 @@ either, while the step that returns to a shortest path is consistent again.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from orsd_jax.envs.base import Task
 

@@ -1,7 +1,7 @@
 """Command line for the procedural game generator (see ``generation``).
 
-    python -m orsd_jax.envs.alfworld.generate --out DIR --split train|valid_seen|valid_unseen --n N --seed S
-        [--difficulty easy|standard|hard] [--workers W]
+python -m orsd_jax.envs.alfworld.generate --out DIR --split train|valid_seen|valid_unseen --n N --seed S
+    [--difficulty easy|standard|hard] [--workers W]
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     games = generate_games(args.out, {args.split: args.n}, args.seed, args.difficulty, args.workers)[args.split]
-    print(f"wrote {len(games)} {args.split} games to {Path(args.out) / 'json_2.1.1' / args.split} "
-          f"in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    print(
+        f"wrote {len(games)} {args.split} games to {Path(args.out) / 'json_2.1.1' / args.split} "
+        f"in {time.perf_counter() - start:.1f}s",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import json
 import multiprocessing as mp
 import os
 import random
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator, Mapping
 
 from orsd_jax.envs.alfworld.difficulty import Difficulty, get_difficulty
 from orsd_jax.envs.alfworld.planning import Planner, process_planner
@@ -135,8 +135,10 @@ def generate_games(
         written[split].append(write_game(root / split, game))
     for split, n in counts.items():
         manifest = {
-            "version": GENERATOR_VERSION, "seed": seed, "games": n, "difficulty": dataclasses.asdict(difficulty)
+            "version": GENERATOR_VERSION,
+            "seed": seed,
+            "games": n,
+            "difficulty": dataclasses.asdict(difficulty),
         }
         (root / split / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return written
-

@@ -5,7 +5,7 @@ in ``load_split`` order, and pass the (task type, won) pairs here."""
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 from orsd_jax.envs.alfworld.tasks import COLUMNS, TASK_TYPES
 
@@ -40,4 +40,3 @@ def success_markdown(results: Iterable[tuple[str, bool]], title: str = "success"
     counts = [f"{won}/{played}" for won, played in tally.values()]
     rows = [f"| {title} (%) | " + " | ".join(rates) + " |", "| won/played | " + " | ".join(counts) + " |"]
     return "\n".join([header, rule, *rows])
-

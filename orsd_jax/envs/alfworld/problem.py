@@ -38,7 +38,7 @@ def logic_files() -> tuple[str, str]:
 
 
 def _location(pose: tuple[int, int, int, int]) -> str:
-    return escape("loc|%d|%d|%d|%d" % pose)
+    return escape("loc|" + "|".join(str(int(v)) for v in pose))
 
 
 def _locations(spec: GameSpec) -> dict[str, str]:

@@ -10,7 +10,7 @@ function of its arguments, so the same state always gives the same bytes.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 HISTORY_LENGTH = 2
 

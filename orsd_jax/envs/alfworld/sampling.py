@@ -95,9 +95,7 @@ def _sources(scene_number: int, task_type: str, obj: str, target: str, placement
     """Receptacles the task's objects may start in: never the goal or the appliance, so the
     task is not already done and needs its defining action."""
     excluded = {target, TOOLS.get(task_type)}
-    candidates = [
-        r for r in load_scene(scene_number).receptacles if r.cls not in excluded and can_contain(r.cls, obj)
-    ]
+    candidates = [r for r in load_scene(scene_number).receptacles if r.cls not in excluded and can_contain(r.cls, obj)]
     return _placement_pool(candidates, placement)
 
 

@@ -116,9 +116,7 @@ def load_scene(scene_number: int) -> Scene:
         if receptacle_class(thor_id) in RECEPTACLE_CLASSES
     ]
     posed = {r.cls for r in receptacles}
-    receptacles += [
-        _synthesised_receptacle(scene_number, cls) for cls in sorted(classes & RECEPTACLE_CLASSES - posed)
-    ]
+    receptacles += [_synthesised_receptacle(scene_number, cls) for cls in sorted(classes & RECEPTACLE_CLASSES - posed)]
     return Scene(
         number=scene_number,
         room_type=room_type(scene_number),

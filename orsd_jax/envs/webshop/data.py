@@ -15,9 +15,10 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Iterator, Mapping
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 DATA_ENV_VAR = "WEBSHOP_DATA"
 SMALL_FILES = ("items_shuffle_1000.json", "items_ins_v2_1000.json")
@@ -68,9 +69,7 @@ def require_files(data_dir: Path, names: tuple[str, ...]) -> tuple[Path, ...]:
     """The paths of ``names`` under ``data_dir``; one clear error naming every missing file."""
     missing = tuple(n for n in names if not (data_dir / n).is_file())
     if missing:
-        raise WebShopDataError(
-            f"WebShop data missing in {data_dir}: {', '.join(missing)}. " + _how_to_obtain(missing)
-        )
+        raise WebShopDataError(f"WebShop data missing in {data_dir}: {', '.join(missing)}. " + _how_to_obtain(missing))
     return tuple(data_dir / n for n in names)
 
 

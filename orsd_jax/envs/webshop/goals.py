@@ -21,7 +21,8 @@ import dataclasses
 import itertools
 import random
 from collections import Counter
-from typing import Iterable, Literal, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Literal
 
 from orsd_jax.envs.webshop.data import Catalog, Product
 
@@ -60,9 +61,7 @@ class GoalSet:
 
 
 def draw_prices(products: Iterable[Product], rng: random.Random) -> dict[str, float]:
-    return {
-        p.asin: p.pricing[0] if len(p.pricing) == 1 else rng.uniform(p.pricing[0], p.pricing[1]) for p in products
-    }
+    return {p.asin: p.pricing[0] if len(p.pricing) == 1 else rng.uniform(p.pricing[0], p.pricing[1]) for p in products}
 
 
 def _price_bound(price: float, rng: random.Random) -> tuple[float, str]:
@@ -113,8 +112,7 @@ def synthetic_goals(catalog: Catalog, prices: Mapping[str, float], rng: random.R
     # Rarer attributes weigh more: the mean of 1 / (number of goals naming the attribute).
     counts = Counter(a for g in goals for a in g.attributes)
     return [
-        dataclasses.replace(g, weight=sum(1.0 / counts[a] for a in g.attributes) / len(g.attributes))
-        for g in goals
+        dataclasses.replace(g, weight=sum(1.0 / counts[a] for a in g.attributes) / len(g.attributes)) for g in goals
     ]
 
 

@@ -12,7 +12,7 @@ with history longer than 13,000 characters falls back to the one without history
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from orsd_jax.envs.webshop.pages import SEP
 

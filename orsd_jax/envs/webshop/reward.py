@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from thefuzz import fuzz
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import Stemmer

@@ -33,7 +33,7 @@ class WorldKey:
         use_small: bool = True,
         num_products: int | None = None,
         human_goals: bool = False,
-    ) -> "WorldKey":
+    ) -> WorldKey:
         if num_products is not None and num_products < 1:
             raise ValueError(f"num_products must be positive or None, got {num_products}")
         return cls(str(resolve_data_dir(data_dir)), bool(use_small), num_products, bool(human_goals))
