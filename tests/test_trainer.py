@@ -21,7 +21,7 @@ from orsd_jax.config import preset
 from orsd_jax.envs.base import Task
 from orsd_jax.rollout import Group, Step, Trajectory
 from orsd_jax.rubrics import GroupRubric, ParsedBundle, Selection
-from orsd_jax.trainer import step_samples, tasks_for_update, train
+from orsd_jax.trainer import make_suite, step_samples, tasks_for_update, train
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TIMING = (
@@ -305,3 +305,12 @@ def test_data_cursor_covers_every_task_once_per_epoch():
     seen = [t.key for u in range(5) for t in tasks_for_update(tasks, 2, seed=3, update=u)]
     assert sorted(seen) == sorted(t.key for t in tasks)
     assert tasks_for_update(tasks, 2, 3, 7) == tasks_for_update(tasks, 2, 3, 7)
+
+
+def test_train_pool_keeps_the_first_tasks():
+    config = preset("tiny")
+    everything = make_suite(config).train
+    pool = make_suite(dataclasses.replace(config, env=dataclasses.replace(config.env, train_pool=3))).train
+    assert len(everything) > 3 and pool == everything[:3]
+    with pytest.raises(ValueError, match=f"train_pool={len(everything) + 1}: the train split has {len(everything)}"):
+        make_suite(dataclasses.replace(config, env=dataclasses.replace(config.env, train_pool=len(everything) + 1)))
