@@ -26,9 +26,9 @@ from benchmarks.sampler import agent_prompt
 from orsd_jax import chat
 from orsd_jax.batch import StepSample, build_batch
 from orsd_jax.loss import response_logprobs
+from orsd_jax.minibatches import logprob_mismatch
 from orsd_jax.models import EMBEDDED, load_model, resolve
 from orsd_jax.sampling import SamplingParams
-from orsd_jax.trainer import logprob_mismatch
 
 
 def trainer_logprobs(model, prompts, completions, temperature: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

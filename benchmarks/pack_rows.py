@@ -26,9 +26,9 @@ from orsd_jax import chat
 from orsd_jax.batch import StepSample
 from orsd_jax.config import preset
 from orsd_jax.loss import OrsdLoss
+from orsd_jax.minibatches import train_minibatches
 from orsd_jax.models import EMBEDDED, load_model
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
-from orsd_jax.trainer import train_minibatches
 
 
 def step_samples(args, tokenizer, vocab: int) -> list[StepSample]:
@@ -78,10 +78,10 @@ def main() -> None:
     for _ in range(1 + args.reps):
         for name, config in configs.items():
             start = time.perf_counter()
-            state, metrics, counts, _ = train_minibatches(step, state, samples, order, config, record=False)
-            jax.block_until_ready(state)
+            trained = train_minibatches(step, state, samples, order, config.minibatch_spec(), record=False)
+            state = jax.block_until_ready(trained.state)
             runs[name]["times"].append(time.perf_counter() - start)
-            runs[name]["counts"] = counts
+            runs[name]["counts"] = trained.counts
     print(
         f"{args.samples} step samples ({args.method}), prompts {args.prompt_min}-{args.prompt_max} tokens, "
         f"{jax.device_count()} device(s), medians of {args.reps}"

@@ -52,6 +52,12 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, help="c: the gap is clipped to [-c, c]")
     p.add_argument("--lr", type=float)
     p.add_argument(
+        "--normalize-std",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="divide GRPO advantages by the group's std (default: verl-agent's choice per method and environment)",
+    )
+    p.add_argument(
         "--warmup-steps", type=int, help="optimizer steps over which the learning rate rises linearly (default: none)"
     )
     p.add_argument("--replay", choices=LAYOUTS, help="the replay's batch layout (default: two-stream, the fastest)")
@@ -118,6 +124,7 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
             selection=args.selection,
         ),
         loss=set_(c.loss, coef=args.coef, clip=args.clip, tis_cap=args.tis_cap),
+        advantage=set_(c.advantage, normalize_std=args.normalize_std),
     )
     c = set_(c, optimizer=set_(c.optimizer, learning_rate=args.lr, warmup_steps=args.warmup_steps))
     if args.model:  # an explicit initial policy replaces the preset's warm start

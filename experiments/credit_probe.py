@@ -44,6 +44,7 @@ def _tasks(args):
 
 def _play(args, policy, tokenizer, fmt, tasks, rollout):
     """Groups of ``--group-size`` episodes per task, the vLLM sampler and the server it runs on."""
+    from orsd_jax import seeds
     from orsd_jax.envs import EnvPool
     from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt
     from orsd_jax.rollout import collect_groups
@@ -63,7 +64,7 @@ def _play(args, policy, tokenizer, fmt, tasks, rollout):
                 chunk,
                 args.group_size,
                 rollout,
-                args.seed + start,
+                seeds.derive(args.seed, start),
                 tokenizer=tokenizer,
                 fmt=fmt,
                 build_prompt=build_prompt,

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = dataclasses.replace(config, env=env)
     from orsd_jax.models import resolve
-    from orsd_jax.trainer import make_suite
+    from orsd_jax.services import make_suite
 
     if args.policy:
         policy = resolve(args.policy)

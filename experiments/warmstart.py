@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.eval_games:
         from experiments.evaluate import evaluate_policy
         from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
-        from orsd_jax.trainer import EnvSuite
+        from orsd_jax.services import EnvSuite
 
         root = default_games(run.difficulty, run.games_seed, run.train_games, run.eval_games)
         tasks = load_split(root, "valid_seen", args.task_types)[: args.eval_games]

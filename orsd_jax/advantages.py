@@ -180,10 +180,10 @@ def gigpo_advantages(
 
 
 def orsd_token_advantages(
-    traj_adv: jax.Array,
+    traj_adv: np.ndarray | jax.Array,
     logp_with: jax.Array,
     logp_without: jax.Array,
-    mask: jax.Array,
+    mask: np.ndarray | jax.Array,
     coef: float,
     clip: float,
 ) -> jax.Array:
@@ -245,7 +245,8 @@ def step_advantages(groups: Sequence[Group], method: str, config: AdvantageConfi
     else:
         outcomes = np.array([groups[g].trajectories[t].reward for g, t, _ in rows])
         flat = episode_advantages(outcomes, penalties, group_ids, traj_ids, **options)
-    out, i = [], 0
+    out: list[list[np.ndarray]] = []
+    i = 0
     for group in groups:
         out.append([])
         for traj in group.trajectories:

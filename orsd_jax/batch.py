@@ -73,28 +73,28 @@ class StepSample:
 class Batch:
     """Packed step samples (numpy on the host; the jitted step takes it as a pytree of arrays)."""
 
-    tokens: jax.Array  # int32[R, T]
-    positions: jax.Array  # int32[R, T]
-    branch: jax.Array  # int32[R, T]: SHARED, WITH, WITHOUT or PAD
-    segment: jax.Array  # int32[R, T]: the token's sample slot in its row, PAD for padding
-    sample: jax.Array  # int32[B]: the input sample in each slot, -1 for an empty one
-    response: jax.Array  # int32[B, Y]: the response tokens
+    tokens: np.ndarray | jax.Array  # int32[R, T]
+    positions: np.ndarray | jax.Array  # int32[R, T]
+    branch: np.ndarray | jax.Array  # int32[R, T]: SHARED, WITH, WITHOUT or PAD
+    segment: np.ndarray | jax.Array  # int32[R, T]: the token's sample slot in its row, PAD for padding
+    sample: np.ndarray | jax.Array  # int32[B]: the input sample in each slot, -1 for an empty one
+    response: np.ndarray | jax.Array  # int32[B, Y]: the response tokens
     # Index in the slot's row whose output predicts response[:, j] with the rubric (two-stream: in rubric_tokens).
-    with_index: jax.Array  # int32[B, Y]
-    without_index: jax.Array  # int32[B, Y]: the same without the rubric
-    response_mask: jax.Array  # float32[B, Y]: 1 on real response tokens
-    old_logp: jax.Array  # float32[B, Y]
-    advantage: jax.Array  # float32[B]
-    has_rubric: jax.Array  # bool[B]
-    ref_logp: jax.Array | None = None  # float32[B, Y]
-    sampler_logp: jax.Array | None = None  # float32[B, Y]
+    with_index: np.ndarray | jax.Array  # int32[B, Y]
+    without_index: np.ndarray | jax.Array  # int32[B, Y]: the same without the rubric
+    response_mask: np.ndarray | jax.Array  # float32[B, Y]: 1 on real response tokens
+    old_logp: np.ndarray | jax.Array  # float32[B, Y]
+    advantage: np.ndarray | jax.Array  # float32[B]
+    has_rubric: np.ndarray | jax.Array  # bool[B]
+    ref_logp: np.ndarray | jax.Array | None = None  # float32[B, Y]
+    sampler_logp: np.ndarray | jax.Array | None = None  # float32[B, Y]
     # [R, T, D]: the model's ``frozen_states`` of ``tokens``, computed once (the warm start's epochs).
-    frozen: jax.Array | None = None
+    frozen: np.ndarray | jax.Array | None = None
     # The two-stream layout's with-rubric stream (None: the packed layout, or no sample has a rubric).
-    rubric_tokens: jax.Array | None = None  # int32[R, U]
-    rubric_positions: jax.Array | None = None  # int32[R, U]
-    rubric_branch: jax.Array | None = None  # int32[R, U]: WITH or PAD
-    rubric_segment: jax.Array | None = None  # int32[R, U]: as ``segment``
+    rubric_tokens: np.ndarray | jax.Array | None = None  # int32[R, U]
+    rubric_positions: np.ndarray | jax.Array | None = None  # int32[R, U]
+    rubric_branch: np.ndarray | jax.Array | None = None  # int32[R, U]: WITH or PAD
+    rubric_segment: np.ndarray | jax.Array | None = None  # int32[R, U]: as ``segment``
 
     @property
     def two_stream(self) -> bool:
@@ -307,7 +307,7 @@ def build_batch(
     )
 
 
-def tree_attention_mask(branch: jax.Array, segment: jax.Array | None = None) -> jax.Array:
+def tree_attention_mask(branch: np.ndarray | jax.Array, segment: np.ndarray | jax.Array | None = None) -> jax.Array:
     """``bool[B, T, T]`` from branch ids ``[B, T]`` (and segment ids, rows holding several samples):
     causal, within one segment, and a token of one branch never sees the other.
 
@@ -325,6 +325,8 @@ def rubric_attention_mask(batch: Batch) -> jax.Array:
     """``bool[B, U, T + U]``: what the with-rubric stream's tokens see of a cache holding the row's
     keys in slots ``[0, T)`` and the stream's own in ``[T, T + U)``: their sample's prefix, and
     their own earlier stream tokens. Padding tokens see nothing."""
+    if batch.rubric_tokens is None or batch.rubric_segment is None:
+        raise ValueError("rubric_attention_mask needs a batch with a with-rubric stream (the two-stream layout)")
     u = batch.rubric_tokens.shape[1]
     query = batch.rubric_segment[:, :, None]
     prefix = (batch.branch == SHARED)[:, None, :] & (batch.segment[:, None, :] == query)

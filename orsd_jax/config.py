@@ -12,9 +12,12 @@ import types
 import typing
 from typing import Any
 
+import jax
+
 from orsd_jax.advantages import AdvantageConfig, verl_agent_normalize_std
 from orsd_jax.batch import LAYOUTS
 from orsd_jax.loss import LossConfig
+from orsd_jax.minibatches import MinibatchSpec
 from orsd_jax.models import EMBEDDED
 from orsd_jax.rollout import RolloutConfig
 from orsd_jax.rubrics import RubricConfig, VerifierConfig
@@ -158,6 +161,17 @@ class TrainConfig:
     @property
     def eval_splits(self) -> tuple[str, ...]:
         return self.env.eval_splits or EVAL_SPLITS[self.env.name]
+
+    def minibatch_spec(self) -> MinibatchSpec:
+        devices = self.devices or jax.device_count()
+        return MinibatchSpec(
+            rows=self.minibatch_rows,
+            layout=self.replay,
+            pack=self.pack_rows,
+            row_tokens=self.row_tokens,
+            row_multiple=devices * self.micro_batches,
+            micro_batches=self.micro_batches,
+        )
 
     def resolved(self) -> TrainConfig:
         """The config with the method's implications applied (GRPO/GiGPO: no correction; single: K = 1;

@@ -3,7 +3,8 @@
 ``OrsdLoss`` returns, beside the loss, its intermediate quantities per token (``VALUES``):
 log-probs with and without the rubric, their gap, the step sample's advantage and the corrected
 token advantage. The train step hands them back, so the trainer records them for the minibatches
-of an update from the training forward itself, at the parameters that minibatch's loss used;
+of an update from the training forward itself, at the parameters that minibatch's loss used:
+``save_credit`` writes them with the update's groups and rubrics to ``steps/<update>/``, and
 ``load_credit`` reads them back with the text they belong to.
 """
 
@@ -14,12 +15,105 @@ import json
 import os
 import pathlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-# Reading a run's records back (``trainer._save_step``): what notebooks and reports show.
+if TYPE_CHECKING:
+    from orsd_jax.rollout import Group
+    from orsd_jax.rubrics import GroupRubric
+    from orsd_jax.samples import StepKey
 
 VALUES = ("logp_with", "logp_without", "gap", "advantage", "corrected", "gap_clipped")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedMinibatch:
+    """The per-token values one optimizer step's loss computed (``VALUES``, each ``[N, Y]``) for
+    its ``N`` step samples, given as indices into the update's samples; ``mask`` ``[N, Y]``."""
+
+    samples: tuple[int, ...]
+    values: dict[str, np.ndarray]
+    mask: np.ndarray
+
+
+def save_credit(
+    run_dir: str | os.PathLike,
+    update: int,
+    groups: Sequence[Group],
+    returns: Sequence[np.ndarray],
+    rubrics: Sequence[GroupRubric] | None,
+    index: Sequence[StepKey],
+    minibatches: Sequence[RecordedMinibatch],
+) -> pathlib.Path:
+    """What the credit maps show, in ``steps/<update>/``: the groups as text with each
+    trajectory's return (``returns[g][t]``), the rubric candidates and selection, the per-token
+    values of the recorded minibatches (``index[i]``: where step sample ``i`` came from) and
+    (ALFWorld) whether each step's action was expert-consistent (``expert.label_groups``)."""
+    directory = pathlib.Path(run_dir) / "steps" / f"{update:05d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    expert: Sequence[Sequence[Sequence[bool | None]]] = [
+        [[None] * len(t.steps) for t in g.trajectories] for g in groups
+    ]
+    if groups and groups[0].task.env == "alfworld":
+        from orsd_jax.envs.alfworld.expert import label_groups
+
+        expert = label_groups(groups)
+    payload = {
+        "groups": [
+            {
+                "task": dataclasses.asdict(g.task),
+                "trajectories": [
+                    {
+                        "won": t.won,
+                        "score": t.score,
+                        "reward": t.reward,
+                        "return": float(r),
+                        "steps": [
+                            {
+                                "observation": s.observation,
+                                "response": s.response_text,
+                                "action": s.action,
+                                "valid": s.valid,
+                                "valid_format": s.valid_format,
+                                "reward": s.reward,
+                                "response_ids": list(s.response_ids),
+                                "expert": e,
+                            }
+                            for s, e in zip(t.steps, labels)
+                        ],
+                    }
+                    for t, r, labels in zip(g.trajectories, group_returns, experts)
+                ],
+            }
+            for g, group_returns, experts in zip(groups, returns, expert)
+        ],
+        "rubrics": None
+        if rubrics is None
+        else [
+            {
+                "candidates": [{"criteria": list(b.criteria), "reason": b.reason} for b in r.bundles],
+                "satisfaction": _nan_as_none(r.satisfaction),
+                "correlations": [None if np.isnan(c) else float(c) for c in r.selection.correlations],
+                "chosen": r.selection.index,
+                "reason": r.selection.reason,
+            }
+            for r in rubrics
+        ],
+    }
+    (directory / "step.json").write_text(json.dumps(payload))
+    for k, m in enumerate(minibatches):
+        rows = np.array([index[i] for i in m.samples])
+        # numpy's stub matches the unpacked arrays against its allow_pickle parameter.
+        np.savez_compressed(directory / f"credit_{k}.npz", rows=rows, mask=m.mask, **m.values)  # type: ignore[arg-type]
+    return directory
+
+
+def _nan_as_none(values: np.ndarray) -> list:
+    """``values.tolist()`` with None for NaN (JSON has no NaN)."""
+    out = values.astype(object)
+    out[np.isnan(values)] = None
+    return out.tolist()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +176,14 @@ def run_tokenizer(run_dir: str | os.PathLike):
     """The tokenizer of a run's policy, also for a run that has not exported one yet."""
     from transformers import AutoTokenizer
 
-    from orsd_jax.config import from_json
     from orsd_jax.models import resolve
 
     run = pathlib.Path(run_dir)
     for directory in (run / "policy", run / "initial_policy"):
         if (directory / "tokenizer_config.json").is_file():
             return AutoTokenizer.from_pretrained(directory)
-    model = from_json((run / "config.json").read_text()).model
-    return AutoTokenizer.from_pretrained(resolve(model.warmstart.model if model.warmstart else model.name))
+    model = json.loads((run / "config.json").read_text())["model"]  # config.to_json's record
+    return AutoTokenizer.from_pretrained(resolve(model["warmstart"]["model"] if model["warmstart"] else model["name"]))
 
 
 def load_credit(run_dir: str | os.PathLike, update: int | None = None, tokenizer=None) -> CreditRecord:

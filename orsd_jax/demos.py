@@ -14,6 +14,7 @@ receptacles before the plan, so the policy also sees what to do after a fruitles
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -119,7 +120,7 @@ def walkthrough_demos(
         records = record_episode(
             env,
             task,
-            lambda first, plan=plan, rng=rng: with_detours(plan, first, rng, max_detours),
+            functools.partial(with_detours, plan, rng=rng, max_detours=max_detours),
             config,
             build_prompt,
             tokenizer=tokenizer,

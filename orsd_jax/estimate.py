@@ -212,7 +212,15 @@ def _report() -> None:
         for fsdp in (False, True):
             for remat in (False, True):
                 c = dataclasses.replace(config, compute_dtype="bfloat16", remat=remat)
-                e = estimate(c, rows=64, devices=4, micro_batches=16, fsdp=fsdp, **PAPER_SHAPE)
+                e = estimate(
+                    c,
+                    rows=64,
+                    seq_len=PAPER_SHAPE["seq_len"],
+                    response_len=PAPER_SHAPE["response_len"],
+                    devices=4,
+                    micro_batches=16,
+                    fsdp=fsdp,
+                )
                 parts = [e.param_bytes, e.grad_bytes, e.optimizer_bytes, e.accumulator_bytes, e.activation_bytes]
                 print(
                     f"{name:<11} {'FSDP' if fsdp else 'replicated':<11} {str(remat):<5} "

@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from orsd_jax import chat
+from orsd_jax import chat, seeds
 from orsd_jax.envs.alfworld.metrics import success_markdown, success_table
 from orsd_jax.envs.base import Task
 from orsd_jax.envs.pool import EnvPool
@@ -54,7 +54,15 @@ def sweep(
         chunk = list(tasks[start : start + pool.n_envs])
         padded = chunk + [chunk[-1]] * (pool.n_envs - len(chunk))
         groups, _ = collect_groups(
-            sampler, pool, padded, 1, config, seed + start, tokenizer=tokenizer, fmt=fmt, build_prompt=build_prompt
+            sampler,
+            pool,
+            padded,
+            1,
+            config,
+            seeds.derive(seed, start),
+            tokenizer=tokenizer,
+            fmt=fmt,
+            build_prompt=build_prompt,
         )
         episodes += [_episode(g.trajectories[0]) for g in groups[: len(chunk)]]
     return episodes

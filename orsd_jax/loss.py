@@ -25,10 +25,13 @@ from the reference model the train step hands the loss.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
 
 from orsd_jax.advantages import orsd_token_advantages
 from orsd_jax.batch import Batch, rubric_attention_mask, tree_attention_mask
@@ -86,6 +89,7 @@ def response_logprobs(
         # in slots [0, T) and its own in [T, T + U), with the policy's parameters under
         # stop-gradient: no backward pass over it.
         model = without_gradient(model)
+        assert batch.rubric_tokens is not None and prefix is not None  # two_stream, and keys_values was asked
         t, u = batch.tokens.shape[1], batch.rubric_tokens.shape[1]
         cache = KVCache(*(jnp.pad(x, ((0, 0), (0, 0), (0, u), (0, 0), (0, 0))) for x in prefix))  # [L, R, T + U, K, H]
         slots = jnp.broadcast_to(t + jnp.arange(u, dtype=jnp.int32), batch.rubric_tokens.shape)
@@ -96,7 +100,9 @@ def response_logprobs(
     return jax.lax.stop_gradient(logp_with), logp_without, entropy
 
 
-def slot_logprobs(model: CausalLM, hidden: jax.Array, index: jax.Array, targets: jax.Array, **options):
+def slot_logprobs(
+    model: CausalLM, hidden: jax.Array, index: np.ndarray | jax.Array, targets: np.ndarray | jax.Array, **options
+):
     """``logprobs_at`` for sample slots ``[B, Y]`` over rows ``hidden [R, T, D]``, ``B = R x K``
     row-major (``orsd_jax.batch``)."""
     (r, b), y = (hidden.shape[0], index.shape[0]), index.shape[1]
@@ -113,8 +119,8 @@ def without_gradient(model: CausalLM) -> CausalLM:
 def logprobs_at(
     model: CausalLM,
     hidden: jax.Array,
-    index: jax.Array,
-    targets: jax.Array,
+    index: np.ndarray | jax.Array,
+    targets: np.ndarray | jax.Array,
     *,
     temperature: float = 1.0,
     chunk_size: int = 64,
@@ -157,7 +163,7 @@ def policy_loss(
     per_token = jnp.maximum(unclipped, clipped)
     if config.dual_clip is not None:
         per_token = jnp.where(adv < 0, jnp.minimum(per_token, -adv * config.dual_clip), per_token)
-    sums = {}
+    sums: dict[str, jax.Array] = {}
     if config.tis_cap is not None:
         if batch.sampler_logp is None:
             raise ValueError("tis_cap needs the sampler's log-probs beside the trainer's (StepSample.sampler_logprobs)")
@@ -224,27 +230,32 @@ class OrsdLoss:
             _, ref_logp, _ = response_logprobs(
                 reference, batch, temperature=c.temperature, chunk_size=c.chunk_size, with_rubric=False
             )
-            batch = batch.replace(ref_logp=jax.lax.stop_gradient(ref_logp))
+            batch = dataclasses.replace(batch, ref_logp=jax.lax.stop_gradient(ref_logp))
         return policy_loss(logp, entropy, logp_with, batch, c)
 
     @staticmethod
-    def metrics(sums: dict[str, jax.Array], token_count: jax.Array) -> dict[str, jax.Array]:
-        """Means from summed metrics (over every micro-batch and device)."""
+    def metrics(sums: Mapping[str, ArrayLike], token_count: ArrayLike) -> dict[str, jax.Array]:
+        """Means from summed metrics (over every micro-batch and device; host floats or arrays)."""
+        arrays = {k: jnp.asarray(v) for k, v in sums.items()}
         n = jnp.maximum(token_count, 1)
-        out = {"clip_frac": sums["clipped"] / n, "approx_kl": sums["approx_kl"] / n, "entropy": sums["entropy"] / n}
+        out = {
+            "clip_frac": arrays["clipped"] / n,
+            "approx_kl": arrays["approx_kl"] / n,
+            "entropy": arrays["entropy"] / n,
+        }
         for name in ("ref_kl", "tis_weight", "tis_capped"):
-            if name in sums:
-                out[name] = sums[name] / n
-        nr = jnp.maximum(sums["rubric_tokens"], 1)
-        gap_mean, adv_mean = sums["gap"] / nr, sums["adv"] / nr
-        gap_var = jnp.maximum(sums["gap_sq"] / nr - gap_mean**2, 0.0)
-        adv_var = jnp.maximum(sums["adv_sq"] / nr - adv_mean**2, 0.0)
-        cov = sums["gap_adv"] / nr - gap_mean * adv_mean
+            if name in arrays:
+                out[name] = arrays[name] / n
+        nr = jnp.maximum(arrays["rubric_tokens"], 1)
+        gap_mean, adv_mean = arrays["gap"] / nr, arrays["adv"] / nr
+        gap_var = jnp.maximum(arrays["gap_sq"] / nr - gap_mean**2, 0.0)
+        adv_var = jnp.maximum(arrays["adv_sq"] / nr - adv_mean**2, 0.0)
+        cov = arrays["gap_adv"] / nr - gap_mean * adv_mean
         denom = jnp.sqrt(gap_var * adv_var)
         return out | {
-            "rubric_token_frac": sums["rubric_tokens"] / n,
+            "rubric_token_frac": arrays["rubric_tokens"] / n,
             "gap_mean": gap_mean,
             "gap_std": jnp.sqrt(gap_var),
-            "gap_clip_frac": sums["gap_clipped"] / nr,
+            "gap_clip_frac": arrays["gap_clipped"] / nr,
             "gap_adv_corr": jnp.where(denom > 0, cov / jnp.where(denom > 0, denom, 1.0), 0.0),
         }

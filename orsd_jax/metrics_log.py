@@ -9,7 +9,9 @@ import math
 import os
 import pathlib
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from tqdm import tqdm
@@ -78,3 +80,11 @@ def progress(items: Iterable[T], stage: str, **kwargs) -> Iterable[T]:
     ``ORSD_PROGRESS`` is unset, e.g. in tests)."""
     disable = not (sys.stderr.isatty() or os.environ.get("ORSD_PROGRESS"))
     return tqdm(items, desc=stage, leave=False, dynamic_ncols=True, disable=disable, **kwargs)
+
+
+@contextmanager
+def timed(metrics: dict[str, float], name: str) -> Iterator[None]:
+    """Adds the wall time of the ``with`` block to ``metrics`` as ``time/<name>``."""
+    started = time.perf_counter()
+    yield
+    metrics[f"time/{name}"] = time.perf_counter() - started

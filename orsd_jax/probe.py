@@ -220,7 +220,7 @@ def summarise(
     the gap's correlation with the outcome, format-token gaps, and the within-state measures."""
     from scipy.stats import spearmanr
 
-    out = []
+    out: list[dict[str, float | str]] = []
     for source in sources:
         have = [s for s in steps if source in s.gaps]
         if not have:

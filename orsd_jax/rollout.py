@@ -14,10 +14,13 @@ and the collection counts them.
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from collections.abc import Callable, Sequence
 
-from orsd_jax import chat
+import numpy as np
+
+from orsd_jax import chat, seeds
 from orsd_jax.envs.actions import parse_action
 from orsd_jax.envs.base import EnvStep, Task
 from orsd_jax.envs.pool import EnvPool
@@ -186,7 +189,7 @@ def collect_groups(
         t0 = time.perf_counter()
         # One seed per turn; samplers draw independent samples for the prompts of one call.
         completions = sampler.generate(
-            [ids for _, ids, _ in prompts], dataclasses.replace(params, seed=seed * 1000 + turn)
+            [ids for _, ids, _ in prompts], dataclasses.replace(params, seed=seeds.derive(seed, turn))
         )
         sampler_seconds += time.perf_counter() - t0
         # The answer starts with what the chat template pre-filled (Qwen3's empty think block).
@@ -199,6 +202,7 @@ def collect_groups(
         env_seconds += time.perf_counter() - t0
         for i, (text, ids, cut), c, p in zip(live, prompts, completions, parsed):
             result = results[i]
+            assert result is not None  # every live env was sent an action
             steps[i].append(
                 Step(
                     user_text=text,
@@ -241,3 +245,36 @@ def collect_groups(
         wall_seconds=time.perf_counter() - start,
     )
     return groups, stats
+
+
+def tasks_for_update(train: Sequence[Task], n_tasks: int, seed: int, update: int) -> list[Task]:
+    """The data cursor: epochs of seeded shuffles of the train tasks, ``n_tasks`` per update."""
+    out = []
+    for idx in range(update * n_tasks, (update + 1) * n_tasks):
+        epoch, pos = divmod(idx, len(train))
+        order = list(range(len(train)))
+        random.Random(f"{seed}/epoch{epoch}").shuffle(order)
+        out.append(train[order[pos]])
+    return out
+
+
+def rollout_metrics(groups: Sequence[Group], stats: RolloutStats) -> dict[str, float]:
+    """Outcomes (``env/``, per task type too) and the interaction budget (``rollout/``) of an update."""
+    trajs = [t for g in groups for t in g.trajectories]
+    out = {
+        "env/success": float(np.mean([t.won for t in trajs])),
+        "env/score": float(np.mean([t.score for t in trajs])),
+        "env/reward": float(np.mean([t.reward for t in trajs])),
+        "env/steps": float(np.mean([len(t.steps) for t in trajs])),
+        "env/invalid_rate": stats.invalid_answers / max(stats.env_steps, 1),
+        "env/mixed_groups": float(np.mean([len(set(g.rewards)) > 1 for g in groups])),
+        "rollout/env_steps": float(stats.env_steps),
+        "rollout/truncated_prompts": float(stats.truncated_prompts),
+        "rollout/generated_tokens": float(stats.generated_tokens),  # the interaction budget (study reports)
+        "rollout/generated_tokens_per_s": stats.generated_tokens / max(stats.sampler_seconds, 1e-9),
+        "rollout/env_steps_per_s": stats.env_steps / max(stats.wall_seconds, 1e-9),
+        "time/rollout": stats.wall_seconds,
+    }
+    for task_type in sorted({t.task.task_type for t in trajs}):
+        out[f"env/success/{task_type}"] = float(np.mean([t.won for t in trajs if t.task.task_type == task_type]))
+    return out

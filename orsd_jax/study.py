@@ -148,7 +148,7 @@ def run_state(directory: pathlib.Path) -> str:
 
 def config_differences(saved: Mapping, planned: Mapping, prefix: str = "") -> tuple[str, ...]:
     """Dotted names of the fields in which two config.json dicts differ."""
-    out = []
+    out: list[str] = []
     for key in sorted(set(saved) | set(planned)):
         a, b = saved.get(key), planned.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import flax.struct
 import jax
@@ -29,8 +29,12 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
 from orsd_jax.batch import Batch
+
+if TYPE_CHECKING:
+    from orsd_jax.models import CausalLM
 
 DATA = "data"
 
@@ -38,13 +42,14 @@ DATA = "data"
 class Loss(Protocol):
     """``(model, batch[, reference]) -> (loss_sum, token_count, metric_sums, per_row)``: ``per_row``
     holds ``[B, ...]`` arrays the step hands back as they are (e.g. per-token values), possibly
-    none; ``reference`` is a frozen model, given only to steps built ``with_reference``."""
+    none; ``reference`` is a frozen model, given only to steps built ``with_reference`` (so it is
+    not in the signature below: other losses need not take it)."""
 
     def __call__(
-        self, model: nnx.Module, batch: Batch, *reference: nnx.Module
+        self, model: CausalLM, batch: Batch
     ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array], dict[str, jax.Array]]: ...
 
-    def metrics(self, sums: dict[str, jax.Array], token_count: jax.Array) -> dict[str, jax.Array]: ...
+    def metrics(self, sums: Mapping[str, ArrayLike], token_count: ArrayLike) -> dict[str, jax.Array]: ...
 
 
 @dataclasses.dataclass(frozen=True)

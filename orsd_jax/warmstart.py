@@ -110,11 +110,11 @@ def finetune(
             started = time.perf_counter()
             batch = build_batch([samples[i] for i in indices], batch_multiple=multiple)
             if frozen is not None:
-                batch = batch.replace(frozen=_pad_rows([frozen[i] for i in indices], batch.tokens.shape))
+                batch = dataclasses.replace(batch, frozen=_pad_rows([frozen[i] for i in indices], batch.tokens.shape))
             state, metrics, _ = step(state, batch, config.micro_batches)
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if not k.startswith("sum/")}
+            values = {k: float(v) for k, v in jax.device_get(metrics).items() if not k.startswith("sum/")}
             updates += 1
-            log(updates, metrics | {"epoch": epoch, "seconds": time.perf_counter() - started})
+            log(updates, values | {"epoch": epoch, "seconds": time.perf_counter() - started})
     return nnx.merge(graphdef, state.params)
 
 
@@ -150,7 +150,7 @@ def frozen_states(graphdef, params, samples: Sequence[StepSample], batch_size: i
     return out
 
 
-def _pad_rows(rows: Sequence[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
+def _pad_rows(rows: Sequence[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
     """``[B, T, D]`` from per-row ``[T_i, D]`` states, zeros elsewhere (padding: masked out of every loss)."""
     out = np.zeros((*shape, rows[0].shape[-1]), rows[0].dtype)
     for row, states in enumerate(rows):

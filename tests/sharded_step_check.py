@@ -13,7 +13,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from test_loss import LOSS, make_samples, max_tree_diff, tiny_model  # noqa: E402
+from helpers import LOSS, make_samples, max_tree_diff, tiny_model  # noqa: E402
 
 from orsd_jax.batch import build_batch  # noqa: E402
 from orsd_jax.loss import OrsdLoss  # noqa: E402

@@ -12,9 +12,9 @@ import nbformat
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import make_samples, tiny_model
 from nbclient import NotebookClient
 from PIL import Image
-from test_loss import make_samples, tiny_model
 from transformers import AutoTokenizer
 
 from experiments.credit_report import rendered_dom, screenshot, write_report
@@ -23,9 +23,10 @@ from orsd_jax.config import preset
 from orsd_jax.credit import load_credit, recorded_updates, run_tokenizer, token_pieces
 from orsd_jax.credit_html import gap_colour
 from orsd_jax.loss import LossConfig, OrsdLoss
+from orsd_jax.minibatches import train_minibatches
 from orsd_jax.models import EMBEDDED, resolve
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
-from orsd_jax.trainer import train, train_minibatches
+from orsd_jax.trainer import train
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -121,7 +122,8 @@ def test_update_metrics_are_exact_over_minibatches(tmp_path, pack_rows):
     graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(config.loss), optimizer, graphdef, sharding)
     samples = make_samples((True, True, True, False, False, True))  # minibatches with 2, 1 and 1 rubric rows
-    _, metrics, counts, recorded = train_minibatches(step, state, samples, [np.arange(6)], config, record=True)
+    trained = train_minibatches(step, state, samples, [np.arange(6)], config.minibatch_spec(), record=True)
+    metrics, counts, recorded = trained.metrics, trained.counts, trained.recorded
     tokens = counts["tokens"]
     assert len(recorded) == 3
     # The forward reads the shared prompt once and the tail and response once per stream (two-stream
@@ -137,9 +139,9 @@ def test_update_metrics_are_exact_over_minibatches(tmp_path, pack_rows):
     assert counts["row_tokens"] == sum(without) + sum(rubric) and counts["row_slots"] == slots
     gaps = np.concatenate(
         [
-            values["gap"][i, : len(samples[r].response)]
-            for rows, values, _ in recorded
-            for i, r in enumerate(rows)
+            m.values["gap"][i, : len(samples[r].response)]
+            for m in recorded
+            for i, r in enumerate(m.samples)
             if samples[r].insert
         ]
     )

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_loss import tiny_model
+from helpers import tiny_model
 
 from orsd_jax.batch import StepSample, build_batch
 from orsd_jax.estimate import QWEN3_1_7B, QWEN3_4B, estimate, forward_flops, param_count

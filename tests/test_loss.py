@@ -9,6 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import (
+    CONFIG,
+    LOSS,
+    RUBRIC_ROWS,
+    assert_trees_close,
+    fast_jit,
+    make_samples,
+    max_tree_diff,
+    sequence_logprobs,
+    tiny_model,
+)
 
 from orsd_jax.batch import (
     LAYOUTS,
@@ -22,7 +33,7 @@ from orsd_jax.batch import (
     tree_attention_mask,
 )
 from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss
-from orsd_jax.models import CausalLM, ModelConfig
+from orsd_jax.models import CausalLM
 
 # ---------------------------------------------------------------- the packed layout, by hand
 
@@ -186,96 +197,6 @@ def test_correction_and_gap_metrics_by_hand():
 
 # ---------------------------------------------------------------- one packed forward vs two forwards
 
-# Unoptimised XLA code compiles about three times faster on CPU; these models are tiny.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-fast_jit = functools.partial(jax.jit, compiler_options=FAST)
-
-CONFIG = ModelConfig(
-    "qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
-)
-LOSS = LossConfig(
-    coef=0.8,
-    clip=0.2,
-    clip_low=0.2,
-    clip_high=0.28,
-    dual_clip=3.0,
-    kl_coef=0.05,
-    entropy_coef=0.01,
-    temperature=0.7,
-    chunk_size=4,
-)
-
-
-@functools.cache
-def tiny_model(config: ModelConfig = CONFIG, seed: int = 0):
-    """``(graphdef, params)`` of a random model, drawn with numpy (fast; no per-shape PRNG compiles).
-
-    Weights have std 0.25, large enough for visible gaps (the init scale 0.02 gives near-uniform
-    logits); norm scales are near 1.
-    """
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(config, nnx.Rngs(0))))
-    rng = np.random.RandomState(seed)
-
-    def draw(path, x):
-        is_norm = "norm" in jax.tree_util.keystr(path)
-        return jnp.asarray((1.0 if is_norm else 0.0) + rng.normal(0, 0.1 if is_norm else 0.25, x.shape), x.dtype)
-
-    return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _token_logprobs(graphdef, params, ids, targets):
-    model = nnx.merge(graphdef, params)
-    return model.token_logprobs(ids, targets, temperature=LOSS.temperature, with_entropy=True)
-
-
-def _sequence_logprobs(graphdef, params, sequences, prompt_lengths, width, length=32):
-    """Log-probs and entropies ``[N, width]`` of each sequence's tokens after its prompt, each sequence
-    run alone through a plain causal forward (end padding to ``length`` cannot affect earlier tokens)."""
-    ids = np.zeros((len(sequences), length), np.int32)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = s
-    targets = np.concatenate([ids[:, 1:], np.zeros((len(ids), 1), np.int32)], axis=1)
-    logp, entropy = _token_logprobs(graphdef, params, jnp.asarray(ids), jnp.asarray(targets))
-    rows = np.arange(len(ids))[:, None]
-    cols = np.asarray(prompt_lengths)[:, None] - 1 + np.arange(width)
-    return logp[rows, cols], entropy[rows, cols]
-
-
-def make_samples(rubric_rows, seed=0):
-    """Step samples of random lengths with old/ref log-probs near the model's own (so some ratios clip)."""
-    rng = np.random.RandomState(seed)
-    parts = []
-    for has in rubric_rows:
-        prefix = rng.randint(0, 96, rng.randint(3, 12)).tolist()
-        insert = rng.randint(0, 96, rng.randint(2, 7)).tolist() if has else []
-        tail = rng.randint(0, 96, rng.randint(1, 4)).tolist()
-        parts.append((prefix, insert, tail, rng.randint(0, 96, rng.randint(2, 9)).tolist()))
-    graphdef, params = tiny_model()
-    width = max(len(p[3]) for p in parts)
-    logp, _ = _sequence_logprobs(
-        graphdef, params, [p + t + y for p, _, t, y in parts], [len(p) + len(t) for p, _, t, _ in parts], width
-    )
-    logp = np.asarray(logp)
-    samples = []
-    for i, (prefix, insert, tail, response) in enumerate(parts):
-        n = len(response)
-        samples.append(
-            StepSample(
-                prefix=prefix,
-                insert=insert,
-                tail=tail,
-                response=response,
-                old_logprobs=(logp[i, :n] + 0.3 * rng.randn(n)).tolist(),
-                ref_logprobs=(logp[i, :n] + 0.3 * rng.randn(n)).tolist(),
-                advantage=float(rng.randn()),
-            )
-        )
-    return samples
-
-
-RUBRIC_ROWS = (True, False, True, True, False)  # mixed: samples of groups with and without a rubric
-
 
 @functools.cache
 def reference_case():
@@ -291,11 +212,11 @@ def reference_case():
     has = jnp.asarray([bool(s.insert) for s in samples])[:, None]
     with_rubric = [[*s.prefix, *s.insert, *s.tail, *s.response] for s in samples]
     with_prompt = [len(q) - len(s.response) for q, s in zip(with_rubric, samples)]
-    lw, _ = _sequence_logprobs(graphdef, params, with_rubric, with_prompt, width)
+    lw, _ = sequence_logprobs(graphdef, params, with_rubric, with_prompt, width)
 
     def loss(p, coef, ref=ref):
         without = [[*s.prefix, *s.tail, *s.response] for s in samples]
-        lp, ent = _sequence_logprobs(graphdef, p, without, [len(s.prefix) + len(s.tail) for s in samples], width)
+        lp, ent = sequence_logprobs(graphdef, p, without, [len(s.prefix) + len(s.tail) for s in samples], width)
         gap = jnp.where(has, jax.lax.stop_gradient(lw - lp), 0.0)
         a_hat = adv + coef * jnp.clip(gap, -LOSS.clip, LOSS.clip)
         ratio = jnp.exp(lp - old)
@@ -317,17 +238,6 @@ def packed_value_and_grad(batch, config):
         return loss_sum / count
 
     return fast_jit(jax.value_and_grad(f))(params)
-
-
-def max_tree_diff(a, b) -> float:
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
-
-
-def assert_trees_close(a, b, tol=1e-5):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -501,7 +411,7 @@ def test_kl_to_a_reference_model_in_the_same_step():
     graphdef, params = tiny_model()
     _, ref_params = tiny_model(seed=1)
     width = max(len(s.response) for s in samples)
-    ref_logp, _ = _sequence_logprobs(
+    ref_logp, _ = sequence_logprobs(
         graphdef,
         ref_params,
         [[*s.prefix, *s.tail, *s.response] for s in samples],

@@ -44,7 +44,7 @@ def test_pyproject_declares_the_scripts_and_the_pinned_requirements():
     pinned = [line.split("#")[0].strip() for line in (REPO / "requirements.txt").read_text().splitlines()]
     pinned = [line for line in pinned if line]
     test_only = project["optional-dependencies"]["test"]
-    assert {line.split("==")[0] for line in test_only} == {"pytest", "hypothesis", "ruff"}
+    assert {line.split("==")[0] for line in test_only} == {"pytest", "hypothesis", "ruff", "mypy"}
     assert sorted(project["dependencies"] + test_only) == sorted(pinned), "pyproject.toml and requirements.txt differ"
 
 
@@ -142,3 +142,39 @@ def test_the_console_hides_jax_backend_probe(tmp_path):
     output = result.stdout + result.stderr
     assert "our own line" in output
     assert "Unable to initialize backend" not in output, output
+
+
+# The run's composition: the configuration, the resources built from it, the loop and the study
+# harness. Every other module is a stage with explicit inputs.
+COMPOSITION = {"orsd_jax.config", "orsd_jax.services", "orsd_jax.trainer", "orsd_jax.study"}
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every orsd_jax module ``path`` imports, at the top or inside a function."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in names if name.startswith("orsd_jax")}
+
+
+def test_stages_do_not_import_the_composition():
+    sources = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (REPO / "orsd_jax").rglob("*.py")
+    }
+    assert len(sources) > 40 and "orsd_jax.trainer" in sources
+    offenders = {
+        module: sorted(_imports(path) & COMPOSITION)
+        for module, path in sources.items()
+        if module not in COMPOSITION and _imports(path) & COMPOSITION
+    }
+    assert not offenders, f"stage modules import the composition: {offenders}"
+    # The check sees what it must: the trainer imports the services, the services the config.
+    assert {"orsd_jax.services", "orsd_jax.config"} <= _imports(sources["orsd_jax.trainer"])
+    assert "orsd_jax.config" in _imports(sources["orsd_jax.services"])

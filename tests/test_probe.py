@@ -4,6 +4,7 @@ forwards and against the training loss's own packed batch), token classes, and t
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import CONFIG, sequence_logprobs, tiny_model
 
 from orsd_jax.batch import PAD, StepSample, build_batch
 from orsd_jax.loss import response_logprobs
@@ -19,7 +20,6 @@ from orsd_jax.probe import (
     token_classes,
 )
 from orsd_jax.probe_stats import auc
-from tests.test_loss import CONFIG, _sequence_logprobs, tiny_model
 
 
 def test_pack_branches_by_hand():
@@ -46,7 +46,7 @@ def test_branch_logprobs_equal_plain_forwards_and_the_training_batch():
     (got,) = branch_logprobs(model, [(prefix, branches)], temperature=0.7, chunk_size=4, rows_per_call=2)
     for logp, (context, _) in zip(got, branches):  # each branch alone, as one plain causal sequence
         seq = prefix + context + response
-        plain, _ = _sequence_logprobs(graphdef, params, [seq], [len(seq) - len(response)], len(response))
+        plain, _ = sequence_logprobs(graphdef, params, [seq], [len(seq) - len(response)], len(response))
         np.testing.assert_allclose(logp, np.asarray(plain)[0], atol=1e-5)
     # The training loss's packed batch of the same step gives the same with and without log-probs.
     batch = build_batch([StepSample(prefix, tail, response, [0.0] * 5, 0.0, insert=inserts[0])])

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_loss import CONFIG, LOSS, RUBRIC_ROWS, fast_jit, make_samples, tiny_model
+from helpers import CONFIG, LOSS, RUBRIC_ROWS, fast_jit, make_samples, tiny_model
 
 from orsd_jax.batch import build_batch
 from orsd_jax.loss import OrsdLoss

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import LOSS, assert_trees_close, fast_jit, make_samples, tiny_model
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from test_loss import LOSS, assert_trees_close, fast_jit, make_samples, tiny_model
 
 from orsd_jax.batch import build_batch
 from orsd_jax.loss import OrsdLoss

@@ -19,9 +19,11 @@ from orsd_jax import chat
 from orsd_jax.advantages import step_advantages
 from orsd_jax.config import preset
 from orsd_jax.envs.base import Task
-from orsd_jax.rollout import Group, Step, Trajectory
+from orsd_jax.rollout import Group, Step, Trajectory, tasks_for_update
 from orsd_jax.rubrics import GroupRubric, ParsedBundle, Selection
-from orsd_jax.trainer import make_suite, step_samples, tasks_for_update, train
+from orsd_jax.samples import step_samples
+from orsd_jax.services import make_suite
+from orsd_jax.trainer import train
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TIMING = (

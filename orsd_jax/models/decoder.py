@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -77,7 +78,7 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r} (architectures {hf.get('architectures')}); "
                 f"orsd_jax supports {sorted(ARCHITECTURES)}"
             )
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope: Mapping[str, Any] = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise UnsupportedModelError(f"unsupported RoPE scaling {rope_type!r}; only plain RoPE is implemented")
@@ -316,14 +317,14 @@ class CausalLM(nnx.Module):
 
     def hidden_states(
         self,
-        input_ids: jax.Array,
-        positions: jax.Array | None = None,
+        input_ids: np.ndarray | jax.Array,
+        positions: np.ndarray | jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         *,
         mask: jax.Array | None = None,
         cache: KVCache | None = None,
         slots: jax.Array | None = None,
-        frozen: jax.Array | None = None,
+        frozen: np.ndarray | jax.Array | None = None,
         keys_values: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final-normed hidden states ``[B, T, D]`` and the updated cache when one is given; without a
@@ -357,8 +358,8 @@ class CausalLM(nnx.Module):
 
     def frozen_states(
         self,
-        input_ids: jax.Array,
-        positions: jax.Array | None = None,
+        input_ids: np.ndarray | jax.Array,
+        positions: np.ndarray | jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         *,
         mask: jax.Array | None = None,
@@ -373,7 +374,7 @@ class CausalLM(nnx.Module):
         positions, mask = self._positions_and_mask(input_ids, positions, segment_ids, mask)
         return jax.lax.stop_gradient(self._layers(jax.lax.stop_gradient(x), positions, mask, slice(0, k))[0])
 
-    def _embed(self, input_ids: jax.Array) -> jax.Array:
+    def _embed(self, input_ids: np.ndarray | jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], input_ids, axis=0).astype(jnp.dtype(self.config.compute_dtype))
 
     def _positions_and_mask(self, input_ids, positions, segment_ids, mask, cache=None):
@@ -438,7 +439,7 @@ class CausalLM(nnx.Module):
     def logprobs_from_hidden(
         self,
         hidden: jax.Array,
-        targets: jax.Array,
+        targets: np.ndarray | jax.Array,
         *,
         chunk_size: int = 256,
         temperature: float = 1.0,

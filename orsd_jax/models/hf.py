@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.typing import PathParts
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
@@ -124,7 +125,7 @@ def load_hf_params(directory: str | os.PathLike, **config_overrides) -> CausalLM
     graphdef, abstract_state = nnx.split(abstract_model(config))
     expected = {path: v.get_value() for path, v in nnx.to_flat_state(abstract_state)}
     layers: dict[tuple[str, ...], list] = {}
-    values: dict[tuple[str, ...], np.ndarray] = {}
+    values: dict[PathParts, np.ndarray] = {}
     for name, tensor in _tensors(_weight_files(directory)):
         if name not in by_name:
             if config.tie_word_embeddings and name == "lm_head.weight":

@@ -47,7 +47,7 @@ def verify_and_select(
     bundles: Sequence[ParsedBundle],
     mode: str,
     rng: np.random.Generator,
-    rewards: Sequence[float] | None = None,
+    rewards: Sequence[float] | np.ndarray | None = None,
     min_correlation: float | None = None,
 ) -> GroupRubric:
     """Scores the valid bundles on every trajectory and selects one (``mode``: spearman/single/random)
@@ -59,8 +59,8 @@ def verify_and_select(
         scores = verifier.score_many(group.task.description, group.trajectories, [bundles[b].criteria for b in valid])
         for b, s in zip(valid, scores):
             satisfaction[b] = s.mean(axis=1)  # NaN for a trajectory that could not be scored
-    rewards = np.asarray(group.rewards if rewards is None else rewards, float)
-    return GroupRubric(tuple(bundles), satisfaction, select_bundle(satisfaction, rewards, mode, rng, min_correlation))
+    targets = np.asarray(group.rewards if rewards is None else rewards, float)
+    return GroupRubric(tuple(bundles), satisfaction, select_bundle(satisfaction, targets, mode, rng, min_correlation))
 
 
 def rubric_metrics(results: Sequence[GroupRubric]) -> dict[str, float]:

@@ -56,9 +56,9 @@ def trajectory_gaps(
     step_gaps = np.array(
         [[float(np.mean(logp[i] - logp[-1])) for i in range(len(valid))] for logp in scored]
     )  # [S, K']
-    owner = np.array(owner)
+    owners = np.array(owner)
     for i, k in enumerate(valid):
-        out[k] = [step_gaps[owner == t, i].mean() for t in range(len(group.trajectories))]
+        out[k] = [step_gaps[owners == t, i].mean() for t in range(len(group.trajectories))]
     return out
 
 

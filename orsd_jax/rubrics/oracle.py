@@ -68,7 +68,8 @@ def step_phrases(plan: Sequence[str]) -> list[str]:
     ("goes to the fridge 1 while holding the apple 1"), and a phrase that occurred before says
     how often ("... for the second time": pick2 plans go to the same place twice)."""
     held: str | None = None
-    phrases, seen = [], {}
+    phrases: list[str] = []
+    seen: dict[str, int] = {}
     for command in plan:
         phrase = _phrase(command)
         if held and command.startswith(_HOLDING_MATTERS):

@@ -134,7 +134,8 @@ def _parse(text: str) -> ParsedBundle:
     items = _json_items(text)
     if items is None:
         items = [m.group(1) for line in text.splitlines() if (m := _ITEM.match(line))]
-    criteria, keys, repeats = [], [], 0
+    criteria, repeats = [], 0
+    keys: list[str] = []
     for item in map(_clean, items):
         if not 3 <= len(re.findall(r"\w+", item)) <= 60:
             continue

@@ -72,6 +72,8 @@ class VerifierError(RuntimeError):
 
 
 class Verifier(Protocol):
+    stats: VerifierStats  # counts since the verifier was made (the trainer logs each update's change)
+
     def score_many(
         self, task: str, trajectories: Sequence[Trajectory], bundles: Sequence[Sequence[str]]
     ) -> list[np.ndarray]:
@@ -247,6 +249,7 @@ class _DeadlineTransport(httpx2.HTTPTransport):
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         deadline = time.monotonic() + self._deadline_s
         response = super().handle_request(request)
+        assert isinstance(response.stream, httpx2.SyncByteStream)  # a sync transport's body
         response.stream = _DeadlineStream(response.stream, deadline, request)
         return response
 
@@ -499,36 +502,29 @@ class OpenAIVerifier:
         if self._cache is not None and self._endpoint is None:  # before the workers, so fetched once
             self._endpoint = self._endpoint_name()
         texts = [render_trajectory(t, self.config.trajectory_budget_tokens, count_tokens) for t in trajectories]
-        jobs = []  # (bundle, trajectory, criterion or None, prompt, parse, logprobs)
+        jobs: list[_Job] = []
         for b, criteria in enumerate(bundles):
             for i, text in enumerate(texts):
                 if self.config.mode == "binary":
-                    jobs.append(
-                        (
-                            b,
-                            i,
-                            None,
-                            binary_prompt(task, text, criteria),
-                            functools.partial(parse_binary_answer, n_criteria=len(criteria)),
-                            False,
-                        )
-                    )
+                    parse = functools.partial(parse_binary_answer, n_criteria=len(criteria))
+                    jobs.append(_Job(b, i, None, binary_prompt(task, text, criteria), parse, False))
                 else:
-                    for k, criterion in enumerate(criteria):
-                        jobs.append((b, i, k, criterion_prompt(task, text, criterion), yes_probability, True))
+                    for c, criterion in enumerate(criteria):
+                        jobs.append(_Job(b, i, c, criterion_prompt(task, text, criterion), yes_probability, True))
         out = [np.full((len(trajectories), len(criteria)), np.nan) for criteria in bundles]
         # Identical prompts (trajectories that render alike) are asked once.
-        unique = {(job[3], job[5]): job for job in jobs}
+        unique = {(job.prompt, job.logprobs): job for job in jobs}
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
-            answered = dict(zip(unique, pool.map(lambda job: self._request(job[3], job[4], job[5]), unique.values())))
-            for b, i, k, prompt, _, logprobs in jobs:
-                answer = answered[(prompt, logprobs)]
+            asked = pool.map(lambda job: self._request(job.prompt, job.parse, job.logprobs), unique.values())
+            answered = dict(zip(unique, asked))
+            for job in jobs:
+                answer = answered[(job.prompt, job.logprobs)]
                 if answer is None:
                     continue
-                if k is None:
-                    out[b][i] = answer
+                if job.criterion is None:
+                    out[job.bundle][job.trajectory] = answer
                 else:
-                    out[b][i, k] = answer
+                    out[job.bundle][job.trajectory, job.criterion] = answer
         # A pair with any unscored criterion is unscored as a whole.
         for scores in out:
             scores[np.isnan(scores).any(axis=1)] = np.nan
@@ -537,6 +533,19 @@ class OpenAIVerifier:
     def score(self, task: str, trajectories: Sequence[Trajectory], bundle: Sequence[str]) -> np.ndarray:
         """``float[G, n_criteria]`` for one bundle."""
         return self.score_many(task, trajectories, [bundle])[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One request of ``score_many``: a bundle's criteria (binary mode, ``criterion`` None) or one
+    criterion (logprob mode) on one trajectory, with how to read the answer."""
+
+    bundle: int
+    trajectory: int
+    criterion: int | None
+    prompt: str
+    parse: Callable
+    logprobs: bool
 
 
 class LocalModelVerifier:

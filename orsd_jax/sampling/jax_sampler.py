@@ -10,16 +10,18 @@ are kept, the text is cut before it or after it with ``include_stop``, as vLLM r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from orsd_jax import chat
-from orsd_jax.models import CausalLM, KVCache
+from orsd_jax.models import CausalLM, KVCache, ModelConfig
 from orsd_jax.sampling.base import Completion, SamplingError, SamplingParams, validate_prompts
 
 
@@ -113,31 +115,30 @@ class JaxSampler:
             lengths[i] = len(row)
             budget[i] = min(params.max_new_tokens, self.max_model_len - len(row))
         stop_ids = jnp.asarray(params.stop_token_ids or (-1,), jnp.int32)
-        out_tokens, out_logp, n_out, hit_stop = _decode(
+        spec = DecodeSpec(
+            self._config, _bucket(new_tokens, 8), cache_len, params.temperature, params.top_k, params.top_p
+        )
+        end = _decode(
             self._graphdef,
-            self._config,
-            _bucket(new_tokens, 8),
-            params.temperature,
-            params.top_k,
-            params.top_p,
+            spec,
             self._state,
             jnp.asarray(tokens),
             jnp.asarray(lengths),
             jnp.asarray(budget),
             stop_ids,
             key,
-            cache_len,
         )
-        out_tokens, out_logp, n_out, hit_stop = map(np.asarray, (out_tokens, out_logp, n_out, hit_stop))
+        out_tokens, out_logp, n_out, hit_stop = map(np.asarray, (end.tokens, end.logp, end.count, end.stopped))
         return [
             self._completion(out_tokens[i, : n_out[i]], out_logp[i, : n_out[i]], bool(hit_stop[i]), params)
             for i in range(n)
         ]
 
     def _completion(
-        self, ids: np.ndarray, logp: np.ndarray, hit_stop_token: bool, params: SamplingParams
+        self, token_ids: np.ndarray, token_logp: np.ndarray, hit_stop_token: bool, params: SamplingParams
     ) -> Completion:
-        ids, logp = ids.tolist(), logp.tolist()
+        ids: list[int] = token_ids.tolist()
+        logp: list[float] = token_logp.tolist()
         finish = "stop" if hit_stop_token else "length"
         text = chat.decode(self.tokenizer, ids)
         if params.stop:
@@ -151,55 +152,89 @@ class JaxSampler:
         return Completion(tuple(ids), tuple(logp), text, finish, self.weight_version)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 12))
-def _decode(
-    graphdef, config, max_new, temperature, top_k, top_p, state, tokens, lengths, budget, stop_ids, key, cache_len
-):
-    """Returns tokens ``[B, max_new]``, their log-probs, counts ``[B]`` and whether a stop token ended the row."""
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """What one compiled decode program is for (hashable: part of the jit cache key)."""
+
+    config: ModelConfig
+    max_new: int  # output slots
+    cache_len: int
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """The decode loop's carry."""
+
+    step: jax.Array  # the next output slot
+    cache: KVCache
+    token: jax.Array  # [B] each row's last token
+    tokens: jax.Array  # [B, max_new] emitted tokens (0 after a row is done)
+    logp: jax.Array  # [B, max_new] their log-probs
+    done: jax.Array  # [B]
+    stopped: jax.Array  # [B] a stop token ended the row
+    count: jax.Array  # [B] tokens emitted
+    key: jax.Array
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _decode(graphdef, spec: DecodeSpec, state, tokens, lengths, budget, stop_ids, key) -> DecodeState:
+    """Prefill ``tokens`` ``[B, P]`` (row lengths ``lengths``), then decode until each row has emitted
+    ``budget`` tokens or a stop token; the final state holds tokens, log-probs, counts and stops."""
     model = nnx.merge(graphdef, state)
     batch, prompt_len = tokens.shape
     rows = jnp.arange(batch)
 
     def sample(logits, key):
         raw = jax.nn.log_softmax(logits, axis=-1)
-        if temperature == 0:
+        if spec.temperature == 0:
             token = jnp.argmax(logits, axis=-1)
             return token, raw[rows, token]
-        logp = processed_logprobs(logits, temperature, top_k, top_p)
+        logp = processed_logprobs(logits, spec.temperature, spec.top_k, spec.top_p)
         token = jax.random.categorical(key, logp, axis=-1)
         return token, logp[rows, token]
 
-    cache = KVCache.zeros(config, batch, cache_len)
+    cache = KVCache.zeros(spec.config, batch, spec.cache_len)
     positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
     hidden, cache = model.hidden_states(tokens, positions, cache=cache)
     key, sub = jax.random.split(key)
     token, logp = sample(model.logits(hidden[rows, lengths - 1]), sub)
-
-    out_tokens = jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(token)
-    out_logp = jnp.zeros((batch, max_new), jnp.float32).at[:, 0].set(logp)
     stopped = jnp.isin(token, stop_ids)
-    done = stopped | (budget <= 1)
-    count = jnp.ones((batch,), jnp.int32)
+    first = DecodeState(
+        step=jnp.asarray(1, jnp.int32),
+        cache=cache,
+        token=token,
+        tokens=jnp.zeros((batch, spec.max_new), jnp.int32).at[:, 0].set(token),
+        logp=jnp.zeros((batch, spec.max_new), jnp.float32).at[:, 0].set(logp),
+        done=stopped | (budget <= 1),
+        stopped=stopped,
+        count=jnp.ones((batch,), jnp.int32),
+        key=key,
+    )
 
-    def cond(carry):
-        step, done = carry[0], carry[5]
-        return (step < max_new) & ~jnp.all(done)
+    def cond(s: DecodeState):
+        return (s.step < spec.max_new) & ~jnp.all(s.done)
 
-    def body(carry):
-        step, cache, token, out_tokens, out_logp, done, stopped, count, key = carry
-        positions = (lengths + step - 1)[:, None]
-        hidden, cache = model.hidden_states(token[:, None], positions, cache=cache)
-        key, sub = jax.random.split(key)
+    def body(s: DecodeState) -> DecodeState:
+        positions = (lengths + s.step - 1)[:, None]
+        hidden, cache = model.hidden_states(s.token[:, None], positions, cache=s.cache)
+        key, sub = jax.random.split(s.key)
         new, logp = sample(model.logits(hidden[:, 0]), sub)
-        active = ~done
-        out_tokens = out_tokens.at[:, step].set(jnp.where(active, new, 0))
-        out_logp = out_logp.at[:, step].set(jnp.where(active, logp, 0.0))
-        count = count + active
+        active = ~s.done
+        count = s.count + active
         hit = active & jnp.isin(new, stop_ids)
-        stopped = stopped | hit
-        done = done | hit | (count >= budget)
-        return step + 1, cache, jnp.where(active, new, token), out_tokens, out_logp, done, stopped, count, key
+        return DecodeState(
+            step=s.step + 1,
+            cache=cache,
+            token=jnp.where(active, new, s.token),
+            tokens=s.tokens.at[:, s.step].set(jnp.where(active, new, 0)),
+            logp=s.logp.at[:, s.step].set(jnp.where(active, logp, 0.0)),
+            done=s.done | hit | (count >= budget),
+            stopped=s.stopped | hit,
+            count=count,
+            key=key,
+        )
 
-    carry = (1, cache, token, out_tokens, out_logp, done, stopped, count, key)
-    _, _, _, out_tokens, out_logp, _, stopped, count, _ = jax.lax.while_loop(cond, body, carry)
-    return out_tokens, out_logp, count, stopped
+    return jax.lax.while_loop(cond, body, first)

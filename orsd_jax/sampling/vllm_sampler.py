@@ -157,7 +157,7 @@ class VLLMSampler:
             shutil.rmtree(previous)
 
     @property
-    def _serving_dir(self) -> pathlib.Path:
+    def _serving_dir(self) -> pathlib.Path | None:
         return self._latest_dir or self._initial_dir
 
     def _reference_dir(self) -> pathlib.Path:

@@ -94,11 +94,13 @@ class VLLMServer:
         *,
         log_path: str | os.PathLike | None = None,
     ):
-        self.options = options
+        self.options: ServerOptions | None = options  # None: attached
         self.owned = True
         self.served_model_name = options.served_model_name
         self.max_model_len = options.max_model_len
-        self.log_path = pathlib.Path(log_path or pathlib.Path(tempfile.mkdtemp(prefix="orsd_vllm_")) / "server.log")
+        self.log_path: pathlib.Path | None = pathlib.Path(
+            log_path or pathlib.Path(tempfile.mkdtemp(prefix="orsd_vllm_")) / "server.log"
+        )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.url = f"http://{HOST}:{_free_port()}"
         self.model_dir: pathlib.Path | None = None
@@ -145,7 +147,9 @@ class VLLMServer:
         if not self.owned:
             raise ServerError(f"the server at {self.url} was attached, not started here: cannot restart it")
         self._stop()
-        self._launch(model_dir if model_dir is not None else self.model_dir)
+        target = model_dir if model_dir is not None else self.model_dir
+        assert target is not None  # an owned server was launched with a model directory
+        self._launch(target)
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -172,6 +176,7 @@ class VLLMServer:
 
     def _command(self, model_dir: pathlib.Path) -> list[str]:
         o = self.options
+        assert o is not None  # only owned servers launch
         port = self.url.rsplit(":", 1)[1]
         args = [
             sys.executable,
@@ -215,6 +220,7 @@ class VLLMServer:
 
     def _launch(self, model_dir: str | os.PathLike) -> None:
         o = self.options
+        assert o is not None and self.log_path is not None  # only owned servers launch
         model_dir = pathlib.Path(model_dir).resolve()  # vLLM resolves a relative one against its cwd
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(o.cpu_kv_cache_gib), **o.env}
         if _cpu_build():
@@ -247,6 +253,7 @@ class VLLMServer:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
+        assert self.options is not None and self._proc is not None  # set for and by _launch
         deadline = time.monotonic() + self.options.startup_timeout_s
         while not self.alive():
             code = self._proc.poll()
@@ -268,6 +275,7 @@ class VLLMServer:
     def _stop(self) -> None:
         """SIGTERM to the group, SIGKILL after the grace period; then the watchdog goes too."""
         if self._proc is not None:
+            assert self.options is not None  # only owned servers run a process
             watchdog.kill_group(self._proc.pid, self.options.shutdown_grace_s, reap=self._proc.poll)
             self._proc.wait()
             self._proc = None

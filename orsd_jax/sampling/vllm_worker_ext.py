@@ -9,11 +9,15 @@ model is new (measured: log-probs off by up to 0.25 after pushing a perturbed em
 The shared weight itself is updated; rebuilding the head's handle from it fixes the logits.
 On GPU the head reads the shared weight directly, and the extra step does nothing.
 
-Imports nothing: it runs inside vLLM, which provides ``self.model_runner``.
+Imports nothing but ``typing``: it runs inside vLLM, which provides ``self.model_runner``.
 """
+
+from typing import Any
 
 
 class WeightReload:
+    model_runner: Any  # vLLM's worker, which this class extends, sets it
+
     def reload_weights_and_tied_head(self, weights_path: str) -> None:
         self.model_runner.reload_weights(weights_path=weights_path)
         model = self.model_runner.get_model()

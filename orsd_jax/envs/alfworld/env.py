@@ -8,9 +8,14 @@ and which still uses up a step, as TextWorld's step limit counts it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from orsd_jax.envs.alfworld.data import GameDataError
 from orsd_jax.envs.alfworld.engine import make_engine
 from orsd_jax.envs.base import EnvStep, Task
+
+if TYPE_CHECKING:
+    import textworld
 
 WIN_REWARD = 10.0
 MAX_STEPS = 50
@@ -27,7 +32,7 @@ class AlfworldEnv:
         if max_steps < 1:
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
         self.max_steps = max_steps
-        self._engine = None
+        self._engine: textworld.core.Wrapper | None = None
         self._loaded: str | None = None  # game file currently in the engine
         self._task: Task | None = None
         self._steps = 0
@@ -37,7 +42,7 @@ class AlfworldEnv:
         return {"max_steps": self.max_steps}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
+        type(self).__init__(self, **state)
 
     def reset(self, task: Task) -> EnvStep:
         if task.env != "alfworld":
@@ -64,11 +69,13 @@ class AlfworldEnv:
             )
         if not isinstance(action, str):
             raise TypeError(f'action must be a string ("" for no valid action), got {type(action).__name__}')
+        assert self._engine is not None  # started by the reset() that set self._task
         state, _, _ = self._engine.step(action)
         self._steps += 1
         return self._env_step(state, reward=WIN_REWARD if state["won"] else 0.0)
 
     def _env_step(self, state, reward: float) -> EnvStep:
+        assert self._task is not None  # reset() sets it before the first _env_step
         won = bool(state["won"])
         self._done = won or self._steps >= self.max_steps
         return EnvStep(

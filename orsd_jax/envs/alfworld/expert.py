@@ -42,7 +42,7 @@ class ExpertLabel:
     @property
     def planned(self) -> bool:
         """The action is the first command of the engine's own plan (a stricter label)."""
-        return bool(self.plan_before) and self.plan_before[0] == self.action
+        return bool(self.plan_before and self.plan_before[0] == self.action)
 
 
 def expert_plan(state) -> tuple[str, ...] | None:

@@ -193,7 +193,7 @@ def sample_game(task_type: str, unseen: bool, difficulty: Difficulty, rng: rando
     else:
         draws = [rng.choice(others) for _ in range(rng.randint(*difficulty.distractors))] if others else []
     objects += [PlacedObject(_new_id(cls, rng, taken), cls, rng.choice(holders[cls]).thor_id) for cls in draws]
-    lamps = (PlacedObject(_new_id(toggle, rng, taken), toggle, lamp_holder.thor_id),) if look else ()
+    lamps = (PlacedObject(_new_id(toggle, rng, taken), toggle, lamp_holder.thor_id),) if lamp_holder is not None else ()
 
     template = rng.choice(goal_library.gdict[OFFICIAL_NAMES[task_type]]["templates"])
     description = template.format(obj=obj.lower(), recep=parent.lower(), toggle=toggle.lower())

@@ -151,7 +151,7 @@ class WebShopEnv:
         if name == "search" and arg:
             self._session = Session("results", arg, 1, tuple(self._world.engine.search(arg)))
             valid = True
-        elif name == "click" and arg in self._page.clickables and arg != "search":
+        elif name == "click" and arg is not None and arg in self._page.clickables and arg != "search":
             purchase = self._click(arg)
             valid = True
         else:
@@ -177,8 +177,10 @@ class WebShopEnv:
         """Nothing to release: the world is shared by the process's environments."""
 
     def _click(self, label: str) -> RewardBreakdown | None:
+        assert self._page is not None  # step() checked it
         s, target = self._session, self._page.clickables[label]
         if label == "buy now":
+            assert s.asin is not None  # buy now is only on an item page
             self._session = dataclasses.replace(s, view="done")
             product = self._world.catalog.by_asin[s.asin]
             return get_reward(product, self.goal, self._world.goal_set.prices[s.asin], dict(s.options))
@@ -211,8 +213,10 @@ class WebShopEnv:
         if s.view == "results":
             shown = s.results[(s.page - 1) * RESULTS_PER_PAGE : s.page * RESULTS_PER_PAGE]
             return results_page(instruction, [by_asin[a] for a in shown], s.page, len(s.results))
+        assert s.asin is not None  # the item, its sub-pages and the done page show a chosen item
         if s.view == "item":
             return item_page(instruction, by_asin[s.asin])
         if s.view in SUB_PAGES:
             return sub_page(instruction, by_asin[s.asin], s.view)
+        assert purchase is not None  # the done page is rendered once, with the purchase
         return done_page(s.asin, dict(s.options), purchase.score)

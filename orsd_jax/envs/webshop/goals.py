@@ -46,7 +46,7 @@ class Goal:
     attributes: tuple[str, ...]
     price_upper: float
     # Synthetic goals: (option name, value) pairs; human goals: the option values as written.
-    goal_options: tuple[tuple[str, str], ...] | tuple[str, ...]
+    goal_options: tuple[tuple[str, str] | str, ...]
     weight: float
 
     @property
@@ -77,7 +77,7 @@ def _goal(
     text: str,
     attributes: Iterable[str],
     upper: float,
-    options: Iterable[tuple[str, str]] | Iterable[str],
+    options: Iterable[tuple[str, str] | str],
     weight: float = 1.0,
 ) -> Goal:
     return Goal(

@@ -19,7 +19,9 @@ def import_without(module: str, *hidden: str) -> ModuleType:
         return sys.modules[module]
     masked = [name for name in hidden if name not in sys.modules]
     for name in masked:
-        sys.modules[name] = None  # `import name` now raises ImportError, which these libraries expect
+        # `import name` now raises ImportError, which these libraries expect (documented Python behaviour;
+        # typeshed types sys.modules values as modules only).
+        sys.modules[name] = None  # type: ignore[assignment]
     try:
         return importlib.import_module(module)
     finally:

@@ -19,9 +19,8 @@ from orsd_jax.envs.webshop.data import Product
 SEP = " [SEP] "
 SEARCH_PLACEHOLDER = "search[<your query>]"
 RESULTS_PER_PAGE = 10
-SUB_PAGES = ("description", "features", "reviews")
-
 View = Literal["start", "results", "item", "description", "features", "reviews", "done"]
+SUB_PAGES: tuple[View, ...] = ("description", "features", "reviews")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,234 @@
+"""The resources of a training run: its games, the policy it starts from, the compiled train
+step, the sampler, the verifier and the environment pool. ``trainer`` composes them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import pathlib
+import typing
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from orsd_jax import chat
+from orsd_jax.checkpoints import Checkpoints
+from orsd_jax.config import TrainConfig
+from orsd_jax.envs.base import Task, TextEnv
+from orsd_jax.envs.pool import EnvPool
+from orsd_jax.loss import OrsdLoss, response_logprobs
+from orsd_jax.models import CausalLM, ModelConfig, cache_dir, load_model, resolve, save_hf
+from orsd_jax.rollout import PromptBuilder
+from orsd_jax.rubrics import sources as rubric_sources
+from orsd_jax.train_step import TrainState, init_train_state, make_mesh, make_optimizer, make_train_step
+
+if typing.TYPE_CHECKING:
+    from orsd_jax.envs.webshop.goals import Split
+    from orsd_jax.rubrics import Verifier
+    from orsd_jax.sampling.base import Sampler
+    from orsd_jax.sampling.vllm_server import VLLMServer
+
+log = logging.getLogger("orsd_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSuite:
+    name: str
+    make_env: Callable[[], TextEnv]  # picklable, for spawned workers
+    build_prompt: PromptBuilder
+    train: tuple[Task, ...]
+    eval: dict[str, tuple[Task, ...]]  # evaluation split -> its tasks, in sweep order
+
+
+def make_suite(config: TrainConfig) -> EnvSuite:
+    e, steps = config.env, config.rollout.max_steps
+    if e.name == "alfworld":
+        from orsd_jax.envs import alfworld
+
+        root = alfworld.default_games(e.difficulty, e.games_seed, e.train_games, e.eval_games)
+        splits = {
+            split: tuple(alfworld.load_split(root, split, e.task_types)) for split in ("train", *config.eval_splits)
+        }
+        return EnvSuite(
+            "alfworld",
+            functools.partial(alfworld.AlfworldEnv, max_steps=steps),
+            alfworld.build_prompt,
+            _pool(splits.pop("train"), e.train_pool),
+            splits,
+        )
+    from orsd_jax.envs import webshop
+
+    return EnvSuite(
+        "webshop",
+        functools.partial(webshop.WebShopEnv, e.data_dir, max_steps=steps, reward=e.reward),
+        webshop.build_prompt,
+        _pool(tuple(webshop.load_goals(e.data_dir, "train")), e.train_pool),
+        # TrainConfig.validate checked the split names.
+        {split: tuple(webshop.load_goals(e.data_dir, typing.cast("Split", split))) for split in config.eval_splits},
+    )
+
+
+def _pool(train: tuple[Task, ...], size: int | None) -> tuple[Task, ...]:
+    if size is None:
+        return train
+    if not 0 < size <= len(train):
+        raise ValueError(f"train_pool={size}: the train split has {len(train)} tasks")
+    return train[:size]
+
+
+def initial_policy(config: TrainConfig, out: pathlib.Path) -> tuple[CausalLM, object, pathlib.Path]:
+    """The model to train, its tokenizer, and a Hugging Face directory of its weights (for samplers)."""
+    m = config.model
+    load = functools.partial(
+        load_model, dtype=m.dtype, compute_dtype=m.compute_dtype, remat=m.remat, frozen_layers=m.frozen_layers
+    )
+    if m.random_shape is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve(m.name))
+        shape = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, **m.random_shape}
+        model = CausalLM(ModelConfig(**shape, param_dtype=m.dtype), nnx.Rngs(config.seed))
+        directory = out / "initial_policy"
+        if not (directory / "config.json").is_file():
+            save_hf(model, tokenizer, directory)
+        model, _ = load(directory)  # through the checkpoint, as a real model
+        return model, tokenizer, directory
+    if m.warmstart is not None:
+        from orsd_jax.warmstart import cached_warmstart
+
+        directory = cached_warmstart(m.warmstart, log=log.info)
+    else:
+        directory = resolve(m.name)
+    model, tokenizer = load(directory)
+    return model, tokenizer, directory
+
+
+def _make_sampler(config: TrainConfig, directory: pathlib.Path, model: CausalLM, tokenizer, out: pathlib.Path):
+    """The policy's sampler and the server it runs on (None in process)."""
+    max_len = max(
+        config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
+        config.rubric.max_prompt_tokens + config.rubric.max_new_tokens,
+    )
+    if config.sampler == "jax":
+        from orsd_jax.sampling.jax_sampler import JaxSampler
+
+        return JaxSampler(model, tokenizer, max_model_len=max_len, seed=config.seed), None
+    from orsd_jax.sampling.vllm_sampler import VLLMSampler
+    from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
+
+    options = ServerOptions(max_model_len=max_len, seed=config.seed)
+    server = VLLMServer(directory, options, log_path=out / "logs" / "sampler.log")
+    return VLLMSampler(server, tokenizer, scratch_dir=out / "sampler_weights"), server
+
+
+def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out: pathlib.Path):
+    """The frozen verifier and the server it owns (or None)."""
+    from orsd_jax.rubrics import LocalModelVerifier, OpenAIVerifier, VerifierConfig
+
+    v = config.verifier
+    cache = str(out / "verifier_cache")
+    if v.kind == "local-jax":
+        frozen, _ = load_model(directory)
+        return LocalModelVerifier(frozen, tokenizer), None
+    if v.kind == "openai":
+        if v.endpoint is None:
+            raise ValueError("verifier kind 'openai' needs its endpoint (VerifierSetup.endpoint)")
+        return OpenAIVerifier(dataclasses.replace(v.endpoint, cache_dir=cache)), None
+    from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
+
+    options = ServerOptions(served_model_name="verifier", max_model_len=4096, seed=config.seed, dev_mode=False)
+    server = VLLMServer(directory, options, log_path=out / "logs" / "verifier.log")
+    endpoint = VerifierConfig(
+        base_url=f"{server.url}/v1", model="verifier", mode=v.mode, concurrency=8, cache_dir=cache
+    )
+    return OpenAIVerifier(endpoint), server
+
+
+class Services:
+    """Everything a run's updates use besides the train state (``initial_state``: the state a
+    fresh run starts from). ``start`` launches the sampler, verifier and environments."""
+
+    def __init__(self, config: TrainConfig, out_dir: str | pathlib.Path):
+        self.config = config = config.resolved()
+        self.out = out = pathlib.Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax_compile"))
+        self.suite = make_suite(config)
+        model, self.tokenizer, self.initial_dir = initial_policy(config, out)
+        self.fmt = chat.chat_format(self.tokenizer)
+        mesh = make_mesh(config.devices)
+        if config.minibatch_rows % (mesh.size * config.micro_batches):
+            raise ValueError(
+                f"minibatch_rows {config.minibatch_rows} must divide into {mesh.size} devices "
+                f"x {config.micro_batches} micro-batches"
+            )
+        self.minibatch_spec = config.minibatch_spec()
+        optimizer = make_optimizer(config.optimizer, frozen_layers=config.model.frozen_layers)
+        self.graphdef, self.initial_state, self.sharding = init_train_state(model, optimizer, mesh, config.fsdp)
+        # The KL's reference policy: the initial policy's parameters, placed once like the policy's
+        # (rebuilt from the same initial weights on resume, so it is not checkpointed). A copy, not
+        # an alias: the train step donates (and so frees) the policy's own buffers.
+        with_reference = bool(config.loss.kl_coef)
+        copy = lambda x, sharding: jax.device_put(jax.numpy.copy(x), sharding)  # noqa: E731
+        params = self.initial_state.params
+        self.reference = jax.tree.map(copy, params, self.sharding.params) if with_reference else None
+        self.train_step = make_train_step(
+            OrsdLoss(config.loss), optimizer, self.graphdef, self.sharding, with_reference
+        )
+        graphdef, temperature = self.graphdef, config.loss.temperature
+        self.old_logprobs = jax.jit(
+            lambda params, batch: response_logprobs(
+                nnx.merge(graphdef, params), batch, temperature=temperature, with_rubric=False
+            )[1]
+        )
+        self.checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
+        # What the non-policy rubric sources read: the oracle, or the user's file (checked now).
+        r = config.rubric
+        self.rubric_source = (
+            {"oracle": rubric_sources.oracle_for(config.env.name, config.env.data_dir)}
+            if r.source in ("oracle", "shuffled")
+            else {"rubrics": rubric_sources.load_file(r.source_file)}
+            if r.source == "file" and r.source_file is not None  # RubricConfig checks they go together
+            else {}
+        )
+        self._model = model
+        self.sampler: Sampler | None = None
+        self.verifier: Verifier | None = None
+        self.pool: EnvPool | None = None
+        self.sampler_server: VLLMServer | None = None
+        self.verifier_server: VLLMServer | None = None
+
+    def start(self) -> None:
+        """The sampler, the verifier and the environment pool, started side by side (vLLM servers
+        spend most of their start-up waiting on imports and files)."""
+        c = self.config
+        with concurrent.futures.ThreadPoolExecutor(3) as executor:
+            sampler = executor.submit(_make_sampler, c, self.initial_dir, self._model, self.tokenizer, self.out)
+            verifier = (
+                executor.submit(_make_verifier, c, self.initial_dir, self.tokenizer, self.out)
+                if c.uses_rubrics
+                else None
+            )
+            envs = executor.submit(EnvPool, self.suite.make_env, c.n_tasks * c.group_size, c.env.workers)
+        # Keep whatever started, so that close() stops it when another part failed.
+        if sampler.exception() is None:
+            self.sampler, self.sampler_server = sampler.result()
+        if verifier is not None and verifier.exception() is None:
+            self.verifier, self.verifier_server = verifier.result()
+        if envs.exception() is None:
+            self.pool = envs.result()
+        for future in (sampler, verifier, envs):
+            if future is not None and (error := future.exception()) is not None:
+                raise error
+
+    def policy(self, state: TrainState) -> CausalLM:
+        return nnx.merge(self.graphdef, state.params)
+
+    def close(self) -> None:
+        for resource in (self.pool, self.sampler, self.sampler_server, self.verifier_server):
+            if resource is not None:
+                resource.close()
+        self.checkpoints.close()

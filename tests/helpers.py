@@ -1,0 +1,114 @@
+"""What several test modules share: a tiny random model, step samples near its own log-probs,
+the loss configuration they run, fast compilation and tree comparisons."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from orsd_jax.batch import StepSample
+from orsd_jax.loss import LossConfig
+from orsd_jax.models import CausalLM, ModelConfig
+
+# Unoptimised XLA code compiles about three times faster on CPU; these models are tiny.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+fast_jit = functools.partial(jax.jit, compiler_options=FAST)
+
+CONFIG = ModelConfig(
+    "qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
+)
+LOSS = LossConfig(
+    coef=0.8,
+    clip=0.2,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=3.0,
+    kl_coef=0.05,
+    entropy_coef=0.01,
+    temperature=0.7,
+    chunk_size=4,
+)
+
+
+@functools.cache
+def tiny_model(config: ModelConfig = CONFIG, seed: int = 0):
+    """``(graphdef, params)`` of a random model, drawn with numpy (fast; no per-shape PRNG compiles).
+
+    Weights have std 0.25, large enough for visible gaps (the init scale 0.02 gives near-uniform
+    logits); norm scales are near 1.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(config, nnx.Rngs(0))))
+    rng = np.random.RandomState(seed)
+
+    def draw(path, x):
+        is_norm = "norm" in jax.tree_util.keystr(path)
+        return jnp.asarray((1.0 if is_norm else 0.0) + rng.normal(0, 0.1 if is_norm else 0.25, x.shape), x.dtype)
+
+    return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _token_logprobs(graphdef, params, ids, targets):
+    model = nnx.merge(graphdef, params)
+    return model.token_logprobs(ids, targets, temperature=LOSS.temperature, with_entropy=True)
+
+
+def sequence_logprobs(graphdef, params, sequences, prompt_lengths, width, length=32):
+    """Log-probs and entropies ``[N, width]`` of each sequence's tokens after its prompt, each sequence
+    run alone through a plain causal forward (end padding to ``length`` cannot affect earlier tokens)."""
+    ids = np.zeros((len(sequences), length), np.int32)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = s
+    targets = np.concatenate([ids[:, 1:], np.zeros((len(ids), 1), np.int32)], axis=1)
+    logp, entropy = _token_logprobs(graphdef, params, jnp.asarray(ids), jnp.asarray(targets))
+    rows = np.arange(len(ids))[:, None]
+    cols = np.asarray(prompt_lengths)[:, None] - 1 + np.arange(width)
+    return logp[rows, cols], entropy[rows, cols]
+
+
+def make_samples(rubric_rows, seed=0):
+    """Step samples of random lengths with old/ref log-probs near the model's own (so some ratios clip)."""
+    rng = np.random.RandomState(seed)
+    parts = []
+    for has in rubric_rows:
+        prefix = rng.randint(0, 96, rng.randint(3, 12)).tolist()
+        insert = rng.randint(0, 96, rng.randint(2, 7)).tolist() if has else []
+        tail = rng.randint(0, 96, rng.randint(1, 4)).tolist()
+        parts.append((prefix, insert, tail, rng.randint(0, 96, rng.randint(2, 9)).tolist()))
+    graphdef, params = tiny_model()
+    width = max(len(p[3]) for p in parts)
+    logp, _ = sequence_logprobs(
+        graphdef, params, [p + t + y for p, _, t, y in parts], [len(p) + len(t) for p, _, t, _ in parts], width
+    )
+    logp = np.asarray(logp)
+    samples = []
+    for i, (prefix, insert, tail, response) in enumerate(parts):
+        n = len(response)
+        samples.append(
+            StepSample(
+                prefix=prefix,
+                insert=insert,
+                tail=tail,
+                response=response,
+                old_logprobs=(logp[i, :n] + 0.3 * rng.randn(n)).tolist(),
+                ref_logprobs=(logp[i, :n] + 0.3 * rng.randn(n)).tolist(),
+                advantage=float(rng.randn()),
+            )
+        )
+    return samples
+
+
+RUBRIC_ROWS = (True, False, True, True, False)  # mixed: samples of groups with and without a rubric
+
+
+def max_tree_diff(a, b) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+
+
+def assert_trees_close(a, b, tol=1e-5):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol, err_msg=jax.tree_util.keystr(path))
