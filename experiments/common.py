@@ -13,7 +13,7 @@ from orsd_jax.config import METHODS, PRESETS, TrainConfig, VerifierSetup, preset
 from orsd_jax.metrics_log import console_logging
 from orsd_jax.rubrics.generate import SELECTIONS
 from orsd_jax.rubrics.sources import SOURCES
-from orsd_jax.rubrics.verify import DASHSCOPE, VerifierConfig
+from orsd_jax.rubrics.verify import DASHSCOPE, EndpointConfig
 
 
 def task_types(text: str) -> tuple[str, ...]:
@@ -134,7 +134,7 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
     elif args.verifier == "openai":
         if not (args.verifier_url and args.verifier_model):
             raise SystemExit("--verifier openai needs --verifier-url and --verifier-model")
-        endpoint = VerifierConfig(
+        endpoint = EndpointConfig(
             base_url=args.verifier_url, model=args.verifier_model, api_key_env=args.verifier_key_env
         )
         c = dataclasses.replace(c, verifier=VerifierSetup(kind="openai", endpoint=endpoint))

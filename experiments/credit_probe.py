@@ -78,13 +78,13 @@ def _policy_rubrics(args, sampler, tokenizer, fmt, groups, advantage):
     """The policy's own rubric per group (None where ORSD would give none), and the stage's metrics."""
     from orsd_jax.advantages import rank_targets
     from orsd_jax.config import preset
-    from orsd_jax.rubrics import OpenAIVerifier, VerifierConfig, generate_bundles, rubric_metrics, verify_and_select
+    from orsd_jax.rubrics import EndpointConfig, OpenAIVerifier, generate_bundles, rubric_metrics, verify_and_select
 
     config = preset("cpu-demo").rubric
     bundles = generate_bundles(sampler, groups, config, args.seed, tokenizer=tokenizer, fmt=fmt)
     server = sampler.server  # the same frozen weights: the policy is not trained here
     verifier = OpenAIVerifier(
-        VerifierConfig(base_url=f"{server.url}/v1", model=server.served_model_name, mode="logprob")
+        EndpointConfig(base_url=f"{server.url}/v1", model=server.served_model_name, mode="logprob")
     )
     rng = np.random.default_rng(args.seed)
     chosen = [

@@ -19,7 +19,7 @@ import time
 from experiments.common import task_types
 from orsd_jax.rollout import RolloutConfig
 from orsd_jax.train_step import OptimizerConfig
-from orsd_jax.warmstart import WarmStartConfig, WarmStartRun, run_warmstart
+from orsd_jax.warmstart import FinetuneConfig, WarmStartRun, run_warmstart
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         reasoning=args.reasoning,
         frozen_layers=args.frozen_layers,
         rollout=rollout,
-        train=WarmStartConfig(
+        train=FinetuneConfig(
             epochs=args.epochs,
             batch_size=args.batch_size,
             optimizer=OptimizerConfig(learning_rate=args.lr, weight_decay=0.0),

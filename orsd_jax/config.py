@@ -20,10 +20,10 @@ from orsd_jax.loss import LossConfig
 from orsd_jax.minibatches import MinibatchSpec
 from orsd_jax.models import EMBEDDED
 from orsd_jax.rollout import RolloutConfig
-from orsd_jax.rubrics import RubricConfig, VerifierConfig
+from orsd_jax.rubrics import EndpointConfig, RubricConfig
 from orsd_jax.rubrics.verify import DASHSCOPE
 from orsd_jax.train_step import OptimizerConfig
-from orsd_jax.warmstart import WarmStartConfig, WarmStartRun
+from orsd_jax.warmstart import FinetuneConfig, WarmStartRun
 
 METHODS = ("grpo", "gigpo", "orsd", "orsd-single", "orsd-random", "orsd-oracle", "orsd-shuffled")
 ENVS = ("alfworld", "webshop")
@@ -54,7 +54,10 @@ class EnvConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSetup:
+class PolicyConfig:
+    """The policy a run trains: its checkpoint or warm start, dtypes and training options
+    (``models.ModelConfig`` is the architecture itself)."""
+
     name: str = EMBEDDED  # registry name or Hugging Face directory
     warmstart: WarmStartRun | None = None  # start from this cached supervised warm start
     dtype: str = "float32"  # parameters
@@ -67,9 +70,12 @@ class ModelSetup:
 
 @dataclasses.dataclass(frozen=True)
 class VerifierSetup:
+    """Which frozen verifier scores the rubrics: a local model (vLLM server or in process) or an
+    OpenAI-compatible endpoint (``rubrics.EndpointConfig``)."""
+
     kind: str = "local-vllm"  # local-vllm | local-jax | openai
     mode: str = "logprob"  # for local verifiers; an openai endpoint uses ``endpoint.mode``
-    endpoint: VerifierConfig | None = None  # kind == "openai"
+    endpoint: EndpointConfig | None = None  # kind == "openai"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +83,7 @@ class TrainConfig:
     preset: str = "custom"
     method: str = "orsd"
     env: EnvConfig = EnvConfig()
-    model: ModelSetup = ModelSetup()
+    model: PolicyConfig = PolicyConfig()
     n_tasks: int = 8
     group_size: int = 8
     updates: int = 300
@@ -244,7 +250,7 @@ _CPU_WARMSTART = WarmStartRun(
     # often (README, "The warm start"); RL then trains the top 4.
     frozen_layers=22,
     rollout=_EASY_ROLLOUT,
-    train=WarmStartConfig(epochs=1, batch_size=16, optimizer=OptimizerConfig(learning_rate=5e-4, weight_decay=0.0)),
+    train=FinetuneConfig(epochs=1, batch_size=16, optimizer=OptimizerConfig(learning_rate=5e-4, weight_decay=0.0)),
 )
 
 
@@ -254,7 +260,7 @@ def _cpu_demo(env: str) -> TrainConfig:
     return TrainConfig(
         preset="cpu-demo",
         env=EnvConfig(name="alfworld", difficulty="easy", task_types=_CPU_TASK_TYPES),
-        model=ModelSetup(warmstart=_CPU_WARMSTART, remat=False, frozen_layers=26),
+        model=PolicyConfig(warmstart=_CPU_WARMSTART, remat=False, frozen_layers=26),
         n_tasks=2,
         group_size=4,
         updates=2,
@@ -290,7 +296,7 @@ def _tiny(env: str) -> TrainConfig:
     return TrainConfig(
         preset="tiny",
         env=EnvConfig(name=env, difficulty="easy", train_games=8, eval_games=4),
-        model=ModelSetup(random_shape=shape, remat=False),
+        model=PolicyConfig(random_shape=shape, remat=False),
         n_tasks=2,
         group_size=2,
         updates=2,
@@ -321,7 +327,7 @@ def _paper(model: str, env: str) -> TrainConfig:
     return TrainConfig(
         preset=f"paper-{model.split('/')[-1].lower()}",
         env=EnvConfig(name=env, difficulty="standard", eval_games=140 if alfworld else 500),
-        model=ModelSetup(name=model, dtype="float32", compute_dtype="bfloat16", remat=True),
+        model=PolicyConfig(name=model, dtype="float32", compute_dtype="bfloat16", remat=True),
         n_tasks=8,
         group_size=8,
         updates=300,

@@ -126,7 +126,7 @@ def _make_sampler(config: TrainConfig, directory: pathlib.Path, model: CausalLM,
 
 def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out: pathlib.Path):
     """The frozen verifier and the server it owns (or None)."""
-    from orsd_jax.rubrics import LocalModelVerifier, OpenAIVerifier, VerifierConfig
+    from orsd_jax.rubrics import EndpointConfig, LocalModelVerifier, OpenAIVerifier
 
     v = config.verifier
     cache = str(out / "verifier_cache")
@@ -141,7 +141,7 @@ def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out:
 
     options = ServerOptions(served_model_name="verifier", max_model_len=4096, seed=config.seed, dev_mode=False)
     server = VLLMServer(directory, options, log_path=out / "logs" / "verifier.log")
-    endpoint = VerifierConfig(
+    endpoint = EndpointConfig(
         base_url=f"{server.url}/v1", model="verifier", mode=v.mode, concurrency=8, cache_dir=cache
     )
     return OpenAIVerifier(endpoint), server

@@ -59,7 +59,9 @@ ROW_MULTIPLE = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class WarmStartConfig:
+class FinetuneConfig:
+    """The warm start's supervised fine-tuning (``WarmStartRun`` is the whole warm start)."""
+
     epochs: int = 2
     batch_size: int = 16  # step samples per update
     micro_batches: int = 1
@@ -84,7 +86,7 @@ def demo_sample(demo: Demonstration, fmt: chat.ChatFormat) -> StepSample:
 def finetune(
     model: CausalLM,
     demos: Sequence[Demonstration],
-    config: WarmStartConfig,
+    config: FinetuneConfig,
     *,
     fmt: chat.ChatFormat,
     log: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
@@ -179,7 +181,7 @@ class WarmStartRun:
     reasoning: bool = False
     frozen_layers: int = 0
     rollout: RolloutConfig = RolloutConfig()
-    train: WarmStartConfig = WarmStartConfig()
+    train: FinetuneConfig = FinetuneConfig()
 
     def key(self) -> str:
         text = json.dumps({"version": DEMO_VERSION, **dataclasses.asdict(self)}, sort_keys=True, default=str)

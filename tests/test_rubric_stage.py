@@ -17,10 +17,10 @@ from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, loa
 from orsd_jax.models import EMBEDDED, resolve
 from orsd_jax.rollout import RolloutConfig, collect_groups
 from orsd_jax.rubrics import (
+    EndpointConfig,
     OpenAIVerifier,
     ParsedBundle,
     RubricConfig,
-    VerifierConfig,
     bundle_regex,
     generate_bundles,
     verify_and_select,
@@ -92,7 +92,7 @@ def test_groups_bundles_satisfaction_and_selection(server, tmp_path):
         assert (bundle.valid and 5 <= len(bundle.criteria) <= 8) or (not bundle.valid and bundle.reason)
 
     verifier = OpenAIVerifier(
-        VerifierConfig(
+        EndpointConfig(
             base_url=f"{server.url}/v1",
             model="policy",
             mode="logprob",

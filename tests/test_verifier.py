@@ -15,7 +15,7 @@ import pytest
 
 from orsd_jax.envs.base import Task
 from orsd_jax.rollout import Step, Trajectory
-from orsd_jax.rubrics import OpenAIVerifier, VerifierConfig
+from orsd_jax.rubrics import EndpointConfig, OpenAIVerifier
 from orsd_jax.rubrics.verify import parse_binary_answer, yes_probability
 
 CRITERIA = ["The agent opens the fridge.", "The agent takes the apple.", "The agent goes to the sink."]
@@ -123,7 +123,7 @@ def _trajectories(n=2, same=True):
 
 
 def _verifier(server, tmp_path, **kw):
-    config = VerifierConfig(
+    config = EndpointConfig(
         base_url=server.url,
         model="judge",
         timeout_s=1.0,

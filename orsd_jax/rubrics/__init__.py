@@ -19,10 +19,10 @@ from orsd_jax.rubrics.parse import MAX_CRITERIA, MIN_CRITERIA, ParsedBundle, bun
 from orsd_jax.rubrics.select import MODES, Selection, average_ranks, select_bundle, spearman
 from orsd_jax.rubrics.verify import (
     DASHSCOPE,
+    EndpointConfig,
     LocalModelVerifier,
     OpenAIVerifier,
     Verifier,
-    VerifierConfig,
     VerifierStats,
 )
 
@@ -104,7 +104,7 @@ __all__ = [
     "RubricConfig",
     "Selection",
     "Verifier",
-    "VerifierConfig",
+    "EndpointConfig",
     "VerifierStats",
     "average_ranks",
     "bundle_regex",

@@ -82,7 +82,9 @@ class Verifier(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class VerifierConfig:
+class EndpointConfig:
+    """An OpenAI-compatible endpoint that verifies rubrics, and how it is asked."""
+
     base_url: str
     model: str
     api_key_env: str = "OPENAI_API_KEY"  # read at construction; a local server needs none
@@ -110,7 +112,7 @@ class VerifierConfig:
 
 # The paper's verifier: Qwen3.5-Plus through DashScope's OpenAI-compatible mode (international
 # endpoint; in mainland China use https://dashscope.aliyuncs.com/compatible-mode/v1).
-DASHSCOPE = VerifierConfig(
+DASHSCOPE = EndpointConfig(
     base_url="https://dashscope-intl.aliyuncs.com/compatible-mode/v1",
     model="qwen3.5-plus",
     api_key_env="DASHSCOPE_API_KEY",
@@ -139,7 +141,7 @@ class VerifierStats:
     input_tokens: int = 0
     output_tokens: int = 0
 
-    def cost_usd(self, config: VerifierConfig) -> float:
+    def cost_usd(self, config: EndpointConfig) -> float:
         return (self.input_tokens * config.price_per_m_input + self.output_tokens * config.price_per_m_output) / 1e6
 
 
@@ -303,7 +305,7 @@ class _Attempt:
 class OpenAIVerifier:
     """The verifier behind an OpenAI-compatible endpoint; see the module docstring for its faults."""
 
-    def __init__(self, config: VerifierConfig, client=None):
+    def __init__(self, config: EndpointConfig, client=None):
         import openai
 
         self.config = config

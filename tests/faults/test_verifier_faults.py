@@ -30,9 +30,9 @@ from orsd_jax.envs.base import Task
 from orsd_jax.rollout import Group, Step, Trajectory
 from orsd_jax.rubrics import (
     DASHSCOPE,
+    EndpointConfig,
     OpenAIVerifier,
     ParsedBundle,
-    VerifierConfig,
     select_bundle,
     verify,
     verify_and_select,
@@ -219,11 +219,11 @@ def _trajectories(n: int, rewards=None, marker_at: int | None = None) -> tuple[T
     return tuple(Trajectory(TASK, (_step(a, r),), r > 0, r) for a, r in zip(actions, rewards))
 
 
-def _config(url: str, tmp_path, **kw) -> VerifierConfig:
+def _config(url: str, tmp_path, **kw) -> EndpointConfig:
     fast = dict(
         model="judge", timeout_s=1.0, max_retries=1, backoff_s=0.01, concurrency=2, cache_dir=str(tmp_path / "cache")
     )
-    return VerifierConfig(base_url=url, **{**fast, **kw})
+    return EndpointConfig(base_url=url, **{**fast, **kw})
 
 
 def _cached(tmp_path) -> list:
@@ -404,11 +404,11 @@ def test_missing_key_fails_at_construction_except_on_loopback(monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", lambda self, address: connections.append(address))
     monkeypatch.delenv(KEY_ENV, raising=False)
     monkeypatch.setenv(DASHSCOPE.api_key_env, "")
-    for config in (VerifierConfig(base_url="https://example.invalid/v1", model="m", api_key_env=KEY_ENV), DASHSCOPE):
+    for config in (EndpointConfig(base_url="https://example.invalid/v1", model="m", api_key_env=KEY_ENV), DASHSCOPE):
         with pytest.raises(verify.VerifierError, match=config.api_key_env):
             OpenAIVerifier(config)
     for host in ("127.0.0.1", "localhost", "[::1]"):
-        OpenAIVerifier(VerifierConfig(base_url=f"http://{host}:9/v1", model="m", api_key_env=KEY_ENV))
+        OpenAIVerifier(EndpointConfig(base_url=f"http://{host}:9/v1", model="m", api_key_env=KEY_ENV))
     assert not connections
 
 
