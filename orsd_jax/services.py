@@ -136,7 +136,9 @@ def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out:
     if v.kind == "openai":
         if v.endpoint is None:
             raise ValueError("verifier kind 'openai' needs its endpoint (VerifierSetup.endpoint)")
-        return OpenAIVerifier(dataclasses.replace(v.endpoint, cache_dir=cache)), None
+        # The policy's tokenizer counts the trajectory budget: the paper's verifier (Qwen3.5-Plus)
+        # shares the Qwen3 policy's; another model's context overflow drops only its pairs.
+        return OpenAIVerifier(dataclasses.replace(v.endpoint, cache_dir=cache), tokenizer=tokenizer), None
     from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
 
     options = ServerOptions(served_model_name="verifier", max_model_len=4096, seed=config.seed, dev_mode=False)
@@ -144,7 +146,7 @@ def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out:
     endpoint = EndpointConfig(
         base_url=f"{server.url}/v1", model="verifier", mode=v.mode, concurrency=8, cache_dir=cache
     )
-    return OpenAIVerifier(endpoint), server
+    return OpenAIVerifier(endpoint, tokenizer=tokenizer), server  # the served model's own tokenizer
 
 
 class Services:

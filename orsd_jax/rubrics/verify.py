@@ -21,6 +21,11 @@ Requests run with bounded concurrency. Faults, and what the user sees of them:
   one) and counted by kind in ``VerifierStats``. ``timeout_s`` is a deadline for the whole
   request, body included. A prompt that still fails leaves NaN for its pairs (selection then
   ranks the bundles over the trajectories that were scored; see ``select``).
+- A prompt longer than the endpoint's context (its HTTP 400 names the context length, as vLLM and
+  OpenAI word it) is not retried and not fatal: its pairs are NaN, counted in
+  ``context_overflows``, and selection ranks over the other trajectories. Trajectories are cut
+  to ``trajectory_budget_tokens`` counted with ``tokenizer`` (the served model's, for the local
+  verifier), so this only happens when the budget and the server's context disagree.
 - A circuit breaker: after ``breaker_failures`` requests in a row failed (after their retries),
   a warning is logged once and no request is sent for ``breaker_cooldown_s`` (NaN scores, counted
   in ``breaker_skips``); then requests go through again, and the first answer closes it.
@@ -97,7 +102,9 @@ class EndpointConfig:
     breaker_failures: int = 8  # failed requests in a row (after retries) that open the circuit breaker
     breaker_cooldown_s: float = 60.0  # how long the open breaker sends nothing
     max_tokens: int = 200
-    trajectory_budget_tokens: int = 1500  # each trajectory cut to this (about 4 characters a token)
+    # Each trajectory cut to this many tokens of the verifier's tokenizer (OpenAIVerifier's
+    # ``tokenizer``; without one, 4 characters a token).
+    trajectory_budget_tokens: int = 1500
     extra_body: tuple[tuple[str, object], ...] = ()  # provider options, e.g. (("enable_thinking", False),)
     cache_dir: str | None = None
     price_per_m_input: float = 0.0  # USD per million tokens, for the cost counter
@@ -136,6 +143,7 @@ class VerifierStats:
     server_errors: int = 0  # 429 and 5xx answers
     bad_replies: int = 0  # bodies that are not a chat completion (garbage, truncated JSON)
     unparsed: int = 0  # chat completions without a readable answer
+    context_overflows: int = 0  # prompts the endpoint refused as longer than its context (not retried)
     breaker_skips: int = 0  # requests not sent while the circuit breaker was open
     latency_s: float = 0.0  # summed over successful requests
     input_tokens: int = 0
@@ -298,17 +306,30 @@ class _Attempt:
     """One HTTP request's outcome: the answer's raw content, or the VerifierStats counter of its fault."""
 
     raw: str | list | None
-    fault: str = ""  # "timeouts" | "connection_errors" | "server_errors" | "bad_replies"
+    fault: str = ""  # "timeouts" | "connection_errors" | "server_errors" | "bad_replies" | "context_overflows"
     retry_after_s: float | None = None
+    retry: bool = True  # False: the endpoint answered, and would answer the same again
+
+
+# How vLLM ("This model's maximum context length is ...", "... longer than the maximum model
+# length ...") and OpenAI ("context_length_exceeded") refuse a prompt that does not fit.
+_CONTEXT_OVERFLOW = re.compile(r"maximum context length|longer than the maximum model length|context_length_exceeded")
+
+
+def is_context_overflow(status: int, message: str) -> bool:
+    return status == 400 and _CONTEXT_OVERFLOW.search(message) is not None
 
 
 class OpenAIVerifier:
     """The verifier behind an OpenAI-compatible endpoint; see the module docstring for its faults."""
 
-    def __init__(self, config: EndpointConfig, client=None):
+    def __init__(self, config: EndpointConfig, client=None, tokenizer=None):
+        """``tokenizer`` counts the trajectory budget (the served model's; default 4 characters a
+        token); ``client``: an ``openai.OpenAI`` to use instead of one made here."""
         import openai
 
         self.config = config
+        self._tokenizer = tokenizer
         api_key = os.environ.get(config.api_key_env, "")
         if client is None and not api_key and not is_loopback(config.base_url):
             raise VerifierError(
@@ -427,6 +448,8 @@ class OpenAIVerifier:
         except openai.APIConnectionError:
             return _Attempt(None, "connection_errors")
         except openai.APIStatusError as error:
+            if is_context_overflow(error.status_code, f"{error.message} {getattr(error, 'code', None) or ''}"):
+                return _Attempt(None, "context_overflows", retry=False)
             if not is_fatal_status(error.status_code):
                 return _Attempt(None, "server_errors", retry_after_s(error.response.headers))
             said = error.message.replace(self._api_key, "***") if self._api_key else error.message
@@ -482,6 +505,8 @@ class OpenAIVerifier:
                 self._record(reached=True)
                 return answer
             self._count(**{outcome.fault or "unparsed": 1})
+            if not outcome.retry:
+                break
             server_wait = outcome.retry_after_s
             wait = (
                 self.config.backoff_s * 2**attempt
@@ -489,7 +514,7 @@ class OpenAIVerifier:
                 else min(server_wait, self.config.max_retry_after_s)
             )
         self._count(failures=1)
-        self._record(reached=outcome.raw is not None)
+        self._record(reached=outcome.raw is not None or not outcome.retry)
         return None
 
     def score_many(
@@ -499,7 +524,9 @@ class OpenAIVerifier:
         fault leaves NaN for the pairs it hit."""
 
         def count_tokens(text: str) -> int:
-            return len(text) // 4
+            if self._tokenizer is None:
+                return len(text) // 4
+            return len(self._tokenizer.encode(text, add_special_tokens=False))
 
         if self._cache is not None and self._endpoint is None:  # before the workers, so fetched once
             self._endpoint = self._endpoint_name()

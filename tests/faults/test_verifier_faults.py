@@ -25,8 +25,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import scipy.stats
+from transformers import AutoTokenizer
 
 from orsd_jax.envs.base import Task
+from orsd_jax.models import EMBEDDED, resolve
 from orsd_jax.rollout import Group, Step, Trajectory
 from orsd_jax.rubrics import (
     DASHSCOPE,
@@ -50,6 +52,7 @@ LISTING = [
 ]
 
 # What the server does with one chat request: ("answer", content), ("status", code, headers),
+# ("error", code, message),
 # ("raw", body bytes, Content-Length or None for the body's own), ("drip", content, seconds a byte).
 Action = tuple
 Reply = Callable[[dict], Action]
@@ -121,6 +124,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 "error": {"message": f"scripted failure for {self.headers.get('Authorization')}", "code": action[1]}
             }
             self._send(action[1], json.dumps(error).encode(), dict(action[2]) if len(action) > 2 else {})
+        elif action[0] == "error":  # a status with the server's own message, as vLLM sends it
+            error = {"error": {"message": action[2], "type": "BadRequestError", "code": action[1]}}
+            self._send(action[1], json.dumps(error).encode())
         elif action[0] == "raw":
             self.close_connection = True
             self._send(200, action[1], {"Content-Length": str(action[2])} if action[2] else {})
@@ -365,6 +371,54 @@ def test_an_unscorable_trajectory_leaves_the_others_and_selection(serve, tmp_pat
     np.testing.assert_allclose(rubric.selection.correlations, expected)
     assert rubric.selection.index == 1 and rubric.selection.reason == ""
     assert verifier.stats.failures == 2 and len(_cached(tmp_path)) == 8  # the marked trajectory, once per bundle
+
+
+# vLLM 0.32's refusal of a prompt that does not fit (vllm/renderers/params.py).
+OVERFLOW = (
+    "This model's maximum context length is 4096 tokens. However, your prompt contains at least 4097 input "
+    "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt."
+)
+
+
+def test_a_prompt_over_the_context_drops_only_its_pairs(serve, tmp_path):
+    server = serve(lambda body: ("error", 400, OVERFLOW) if MARKER in prompt_of(body) else _graded(body))
+    rewards = [0.0, 10.0, 10.0, 0.0, 10.0]
+    group = Group(TASK, _trajectories(5, rewards, marker_at=2))
+    verifier = OpenAIVerifier(_config(server.url, tmp_path, max_retries=3))
+    rubric = verify_and_select(
+        verifier, group, [ParsedBundle(DOWN, ""), ParsedBundle(UP, "")], "spearman", np.random.default_rng(0)
+    )
+    assert np.isnan(rubric.satisfaction[:, 2]).all() and not np.isnan(rubric.satisfaction[:, [0, 1, 3, 4]]).any()
+    assert rubric.selection.index == 1 and np.isfinite(rubric.selection.correlations).all()
+    refused = [body for _, body in server.chat_requests if MARKER in prompt_of(body)]
+    assert len(refused) == 2  # once per bundle: the same prompt would be refused again
+    assert verifier.stats.context_overflows == 2 and verifier.stats.retries == 0 and verifier.stats.failures == 2
+    # Another 400 still stops the verifier (test_client_errors_raise_at_once_without_the_key).
+    other = serve(always(("error", 400, "unknown parameter 'top_logprobs'")))
+    with pytest.raises(verify.VerifierError, match="HTTP 400"):
+        OpenAIVerifier(_config(other.url, tmp_path / "other")).score(TASK.description, _trajectories(2), CRITERIA)
+
+
+def test_the_trajectory_budget_is_counted_with_the_tokenizer(serve, tmp_path):
+    """Digits cost about a token a character, so 4 characters a token undercounts them: with the
+    served model's tokenizer the trajectory in every prompt fits the budget, without it, it does not."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve(EMBEDDED))
+    steps = tuple(_step(f"open fridge {' '.join(str(d % 10) for d in range(i, i + 40))}", 0.0) for i in range(12))
+    trajectory = Trajectory(TASK, steps, False, 0.0)
+    budget = 300
+
+    def trajectory_tokens(server: FaultServer) -> list[int]:
+        shown = [
+            re.search(r"<trajectory>\n?(.*?)\n?</trajectory>", prompt_of(b), re.S) for _, b in server.chat_requests
+        ]
+        return [len(tokenizer.encode(m.group(1), add_special_tokens=False)) for m in shown]
+
+    counted, guessed = serve(always(("answer", YES))), serve(always(("answer", YES)))
+    for server, kw in ((counted, {"tokenizer": tokenizer}), (guessed, {})):
+        config = _config(server.url, tmp_path / server.url[-5:], trajectory_budget_tokens=budget, mode="binary")
+        OpenAIVerifier(config, **kw).score(TASK.description, (trajectory,), CRITERIA)
+    assert trajectory_tokens(counted) and max(trajectory_tokens(counted)) <= budget
+    assert min(trajectory_tokens(guessed)) > budget
 
 
 def test_selection_drops_trajectories_no_bundle_scored():
