@@ -228,7 +228,12 @@ def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     from orsd_jax.trainer import train
 
     out = pathlib.Path(args.out or f"runs/{config.preset}-{env}-{config.method}")
-    policy = train(config, out, resume=args.resume, stop_after=args.stop_after)
+    from orsd_jax.checkpoints import StorageError
+
+    try:
+        policy = train(config, out, resume=args.resume, stop_after=args.stop_after)
+    except StorageError as error:  # nothing to debug: the disk is full
+        sys.exit(f"error: {error}")
     from orsd_jax.credit import recorded_updates
 
     if recorded_updates(out):

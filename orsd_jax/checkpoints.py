@@ -5,14 +5,17 @@ cache, the run's config).
 Orbax writes each checkpoint to a temporary directory and renames it when complete, so a run
 killed mid-save leaves no half checkpoint in the list. A checkpoint that is listed but cannot be
 read (a damaged file) is skipped on restore, with a warning, for the newest one before it, and
-deleted, so that the redone update is saved again.
+deleted, so that the redone update is saved again. A save the file system refuses (a full disk, a
+quota, a file-size limit) raises ``StorageError`` naming the reason and the checkpoint still intact.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pathlib
+import re
 from typing import Any
 
 import jax
@@ -25,6 +28,23 @@ class CheckpointRestoreError(RuntimeError):
     pass
 
 
+class StorageError(RuntimeError):
+    """The file system refused a write of the run; what was saved before is intact."""
+
+
+# How the write errors of Python, tensorstore (Orbax) and safetensors (Rust) name a refused write.
+_REFUSED = re.compile(r"No space left on device|File too large|Disk quota exceeded")
+_CODES = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def storage_fault(error: BaseException) -> str | None:
+    """Why the file system refused a write, when ``error`` is such a refusal; else None."""
+    if isinstance(error, OSError) and error.errno in _CODES:
+        return os.strerror(error.errno)
+    match = _REFUSED.search(str(error))
+    return match.group(0) if match else None
+
+
 class Checkpoints:
     def __init__(self, directory: str | os.PathLike, keep: int = 2):
         self.directory = pathlib.Path(directory).absolute()
@@ -33,10 +53,21 @@ class Checkpoints:
 
     def save(self, update: int, state: Any, meta: dict) -> None:
         """Saves ``state`` (a pytree of arrays) and ``meta`` (JSON) as checkpoint ``update``."""
-        self._manager.save(
-            update, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        )
-        self._manager.wait_until_finished()
+        try:
+            self._manager.save(
+                update, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+            )
+            self._manager.wait_until_finished()
+        except Exception as error:
+            reason = storage_fault(error)
+            if reason is None:
+                raise
+            kept = [step for step in self.steps() if step != update]
+            intact = f"checkpoint {kept[-1]} is intact" if kept else "there is no earlier checkpoint"
+            raise StorageError(
+                f"checkpoint {update} could not be written to {self.directory} ({reason}); {intact}: "
+                "free space there, then run again with --resume"
+            ) from None  # the reason is all the user needs of Orbax's long traceback
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())

@@ -25,6 +25,7 @@ import numpy as np
 
 from orsd_jax import evaluation, seeds
 from orsd_jax.advantages import rank_targets, returns, step_advantages
+from orsd_jax.checkpoints import StorageError, storage_fault
 from orsd_jax.config import TrainConfig, from_json, to_json
 from orsd_jax.credit import RecordedMinibatch, save_credit
 from orsd_jax.metrics_log import MetricsLog, progress, timed
@@ -245,6 +246,15 @@ def train(
         metrics_log.write(c.updates, final, final=True)
         save_hf(services.policy(state), services.tokenizer, out / "policy")
         return out / "policy"
+    except Exception as error:
+        reason = storage_fault(error)
+        if reason is None or isinstance(error, StorageError):
+            raise
+        kept = services.checkpoints.steps()
+        raise StorageError(
+            f"a write to {out} failed ({reason}); the last checkpoint ({kept[-1] if kept else 'none'}) is intact: "
+            "free space there, then run again with --resume"
+        ) from error
     finally:
         metrics_log.close()
         services.close()
