@@ -50,6 +50,7 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--coef", type=float, help="lambda: weight of the rubric correction")
     p.add_argument("--clip", type=float, help="c: the gap is clipped to [-c, c]")
+    p.add_argument("--kl-coef", type=float, help="weight of the k3 KL to the initial policy (paper presets: 0.01)")
     p.add_argument("--lr", type=float)
     p.add_argument(
         "--normalize-std",
@@ -123,7 +124,7 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
             source_file=args.rubric_file,
             selection=args.selection,
         ),
-        loss=set_(c.loss, coef=args.coef, clip=args.clip, tis_cap=args.tis_cap),
+        loss=set_(c.loss, coef=args.coef, clip=args.clip, tis_cap=args.tis_cap, kl_coef=args.kl_coef),
         advantage=set_(c.advantage, normalize_std=args.normalize_std),
     )
     c = set_(c, optimizer=set_(c.optimizer, learning_rate=args.lr, warmup_steps=args.warmup_steps))

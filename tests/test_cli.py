@@ -65,3 +65,18 @@ def test_flags_override_the_preset():
     assert c.resolved().loss.coef == 0.0  # GRPO: no correction whatever --coef says
     with pytest.raises(SystemExit):
         config_from_args("alfworld", parser("alfworld", "").parse_args(["--verifier", "openai"]))
+
+
+def test_calibration_flags_reach_the_config():
+    flags = ["--train-pool", "8", "--warmup-steps", "16", "--no-normalize-std", "--kl-coef", "0.01", "--lr", "2e-4"]
+    c = config_from_args("alfworld", parser("alfworld", "").parse_args(flags))
+    assert (c.env.train_pool, c.optimizer.warmup_steps, c.loss.kl_coef, c.optimizer.learning_rate) == (
+        8,
+        16,
+        0.01,
+        2e-4,
+    )
+    assert c.resolved().advantage.normalize_std is False  # not verl-agent's (True for GRPO on ALFWorld)
+    default = config_from_args("alfworld", parser("alfworld", "").parse_args([]))
+    assert default.env.train_pool is None and default.optimizer.warmup_steps == 0 and default.loss.kl_coef == 0.0
+    assert default.resolved().advantage.normalize_std is True
