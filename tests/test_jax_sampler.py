@@ -1,10 +1,13 @@
 """JaxSampler against transformers' generate and the model's own log-probs."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
+from helpers import CONFIG
 from transformers import AutoModelForCausalLM
 
 from orsd_jax import chat
@@ -50,16 +53,7 @@ def test_greedy_matches_transformers_generate(embedded):
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = ModelConfig(
-        "qwen3",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-    )
+    config = dataclasses.replace(CONFIG, vocab_size=64)
     return CausalLM(config, nnx.Rngs(0))
 
 

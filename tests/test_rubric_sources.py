@@ -106,31 +106,20 @@ def test_select_by_gap_by_hand():
 def test_trajectory_gaps_equal_the_training_batch():
     """Each trajectory's mean gap under a candidate, against the loss's own packed batch per step."""
     from flax import nnx
+    from helpers import CONFIG
     from transformers import AutoTokenizer
 
     from orsd_jax import chat
     from orsd_jax.batch import StepSample, build_batch
     from orsd_jax.loss import response_logprobs
-    from orsd_jax.models import EMBEDDED, CausalLM, ModelConfig, resolve
+    from orsd_jax.models import EMBEDDED, CausalLM, resolve
     from orsd_jax.rollout import Group, Step, Trajectory
     from orsd_jax.rubrics import ParsedBundle, rubric_insert
     from orsd_jax.rubrics.alignment import trajectory_gaps
 
     tokenizer = AutoTokenizer.from_pretrained(resolve(EMBEDDED))
     fmt = chat.chat_format(tokenizer)
-    model = CausalLM(
-        ModelConfig(
-            "llama",
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=8,
-        ),
-        nnx.Rngs(0),
-    )
+    model = CausalLM(dataclasses.replace(CONFIG, architecture="llama", vocab_size=len(tokenizer)), nnx.Rngs(0))
     task = TASKS[0]
 
     def step(text, answer):

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from orsd_jax import chat
 from orsd_jax.batch import build_batch
+from orsd_jax.config import preset
 from orsd_jax.demos import alfworld_walkthrough, record_episode, walkthrough_demos
 from orsd_jax.envs import EnvPool
 from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
@@ -29,17 +30,8 @@ ROLLOUT = RolloutConfig(max_steps=4, max_prompt_tokens=1024, max_response_tokens
 @pytest.fixture(scope="module")
 def setup():
     tokenizer = AutoTokenizer.from_pretrained(resolve(EMBEDDED))
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    shape = preset("tiny").model.random_shape  # the tiny preset's random model
+    config = ModelConfig(**shape, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     tasks = load_split(default_games("easy", 0, 200, 50), "train")
     return tokenizer, chat.chat_format(tokenizer), CausalLM(config, nnx.Rngs(0)), tasks
 
