@@ -237,17 +237,17 @@ _CPU_RUBRIC = RubricConfig(
 # and 41% at 1.0.
 _CPU_TEMPERATURE = 0.7
 # One type: demonstrations of look games teach the 135M model to win some look games (2-3 of 13 at
-# temperature 0.4); 12 pick and 12 look games taught it to win none of either (README).
+# temperature 0.4); 12 pick and 12 look games taught it to win none of either (docs/results/warmstart.md).
 _CPU_TASK_TYPES = ("look",)
 _CPU_WARMSTART = WarmStartRun(
     model=EMBEDDED,
     difficulty="easy",
     task_types=_CPU_TASK_TYPES,
-    demo_games=48,  # 24 games: 60% valid answers on held-out games; 48: 92% (README, "The warm start")
+    demo_games=48,  # 24 games: 60% valid answers on held-out games; 48: 92% (docs/results/warmstart.md)
     max_detours=2,
     reasoning=False,
     # Top 8 layers for one epoch cost what the top 4 did for two, and answer validly far more
-    # often (README, "The warm start"); RL then trains the top 4.
+    # often (docs/results/warmstart.md); RL then trains the top 4.
     frozen_layers=22,
     rollout=_EASY_ROLLOUT,
     train=FinetuneConfig(epochs=1, batch_size=16, optimizer=OptimizerConfig(learning_rate=5e-4, weight_decay=0.0)),
