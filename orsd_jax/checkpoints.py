@@ -37,7 +37,7 @@ _REFUSED = re.compile(r"No space left on device|File too large|Disk quota exceed
 _CODES = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 
-def storage_fault(error: BaseException) -> str | None:
+def _storage_fault(error: BaseException) -> str | None:
     """Why the file system refused a write, when ``error`` is such a refusal; else None."""
     if isinstance(error, OSError) and error.errno in _CODES:
         return os.strerror(error.errno)
@@ -59,7 +59,7 @@ class Checkpoints:
             )
             self._manager.wait_until_finished()
         except Exception as error:
-            reason = storage_fault(error)
+            reason = _storage_fault(error)
             if reason is None:
                 raise
             kept = [step for step in self.steps() if step != update]

@@ -249,12 +249,14 @@ def collect_groups(
 
 def tasks_for_update(train: Sequence[Task], n_tasks: int, seed: int, update: int) -> list[Task]:
     """The data cursor: epochs of seeded shuffles of the train tasks, ``n_tasks`` per update."""
+    orders: dict[int, list[int]] = {}  # epoch -> its shuffle, drawn once
     out = []
     for idx in range(update * n_tasks, (update + 1) * n_tasks):
         epoch, pos = divmod(idx, len(train))
-        order = list(range(len(train)))
-        random.Random(f"{seed}/epoch{epoch}").shuffle(order)
-        out.append(train[order[pos]])
+        if epoch not in orders:
+            orders[epoch] = list(range(len(train)))
+            random.Random(f"{seed}/epoch{epoch}").shuffle(orders[epoch])
+        out.append(train[orders[epoch][pos]])
     return out
 
 

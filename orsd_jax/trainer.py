@@ -25,7 +25,6 @@ import numpy as np
 
 from orsd_jax import evaluation, seeds
 from orsd_jax.advantages import rank_targets, returns, step_advantages
-from orsd_jax.checkpoints import StorageError, storage_fault
 from orsd_jax.config import TrainConfig, from_json, to_json
 from orsd_jax.credit import RecordedMinibatch, save_credit
 from orsd_jax.metrics_log import MetricsLog, progress, timed
@@ -49,6 +48,7 @@ class UpdateResult:
 
     metrics: dict[str, float]
     groups: tuple[Group, ...]
+    returns: tuple[np.ndarray, ...]  # [G] per group: the reward less the invalid-answer penalties
     rubrics: tuple[GroupRubric, ...] | None
     index: tuple[StepKey, ...]
     recorded: tuple[RecordedMinibatch, ...]
@@ -103,7 +103,8 @@ def rubric_stage(
 
 def run_update(services: Services, state: TrainState, update: int) -> tuple[TrainState, UpdateResult]:
     """One update from ``state``: the new state and what the update measured and recorded."""
-    c, metrics = services.config, dict[str, float]()
+    c = services.config
+    metrics: dict[str, float] = {}
     assert services.sampler is not None and services.pool is not None  # started by Services.start
     with timed(metrics, "update"):
         tasks = tasks_for_update(services.suite.train, c.n_tasks, c.seed, update)
@@ -120,7 +121,8 @@ def run_update(services: Services, state: TrainState, update: int) -> tuple[Trai
         )
         metrics |= rollout_metrics(groups, stats)
         # The reward less the invalid-answer penalties: what GRPO's advantages normalise.
-        metrics["env/return"] = float(np.mean(np.concatenate([returns(g, c.advantage) for g in groups])))
+        group_returns = tuple(returns(g, c.advantage) for g in groups)
+        metrics["env/return"] = float(np.mean(np.concatenate(group_returns)))
         rubrics = rubric_stage(services, state, groups, update, metrics) if c.uses_rubrics else None
         advantages = step_advantages(groups, c.method, c.advantage)
         samples, index = step_samples(groups, advantages, rubrics, services.fmt, services.tokenizer)
@@ -146,7 +148,8 @@ def run_update(services: Services, state: TrainState, update: int) -> tuple[Trai
         with timed(metrics, "weight_push"):
             services.sampler.push_weights(services.policy(trained.state), update + 1)
     rubric_tuple = None if rubrics is None else tuple(rubrics)
-    return trained.state, UpdateResult(metrics, tuple(groups), rubric_tuple, tuple(index), trained.recorded)
+    result = UpdateResult(metrics, tuple(groups), group_returns, rubric_tuple, tuple(index), trained.recorded)
+    return trained.state, result
 
 
 def update_line(update: int, updates: int, metrics: dict[str, float]) -> str:
@@ -225,10 +228,8 @@ def train(
             state, result = run_update(services, state, update)
             metrics = result.metrics
             if result.recorded:
-                group_returns = [returns(g, c.advantage) for g in result.groups]
-                save_credit(
-                    out, update + 1, result.groups, group_returns, result.rubrics, result.index, result.recorded
-                )
+                r = result
+                save_credit(out, update + 1, r.groups, r.returns, r.rubrics, r.index, r.recorded)
             if c.eval_every and (update + 1) % c.eval_every == 0 and update + 1 < c.updates:
                 metrics |= evaluate(services, update + 1)
             metrics_log.write(update + 1, metrics)
@@ -246,15 +247,6 @@ def train(
         metrics_log.write(c.updates, final, final=True)
         save_hf(services.policy(state), services.tokenizer, out / "policy")
         return out / "policy"
-    except Exception as error:
-        reason = storage_fault(error)
-        if reason is None or isinstance(error, StorageError):
-            raise
-        kept = services.checkpoints.steps()
-        raise StorageError(
-            f"a write to {out} failed ({reason}); the last checkpoint ({kept[-1] if kept else 'none'}) is intact: "
-            "free space there, then run again with --resume"
-        ) from error
     finally:
         metrics_log.close()
         services.close()
