@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import functools
 import json
 import pathlib
@@ -118,6 +119,12 @@ def _states(groups, per_game: int):
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", help="Hugging Face directory (default: the cpu-demo warm start, cached)")
+    p.add_argument(
+        "--rubric-games",
+        type=int,
+        help="without --policy: the cpu-demo warm start with this many games also demonstrated with their "
+        "oracle rubric in the prompt (default: the preset's)",
+    )
     p.add_argument("--type", default="look", help="the task type the policy was trained on")
     p.add_argument("--games", type=int, default=48)
     p.add_argument("--other-type", default="pick")
@@ -156,7 +163,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from orsd_jax.warmstart import cached_warmstart
 
-        policy = cached_warmstart(demo.model.warmstart)
+        run = demo.model.warmstart
+        if args.rubric_games is not None:
+            run = dataclasses.replace(run, rubric_games=args.rubric_games)
+        policy = cached_warmstart(run)
     tasks = _tasks(args)
     model, tokenizer = load_model(policy)
     fmt = chat.chat_format(tokenizer)

@@ -37,6 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="task types to demonstrate and evaluate, comma-separated (default: all)",
     )
     p.add_argument("--max-detours", type=int, default=2, help="random visits before the plan (exploration)")
+    p.add_argument(
+        "--rubric-games",
+        type=int,
+        default=0,
+        help="the first N games demonstrated once more with their oracle rubric in the prompt (rubric reading)",
+    )
     p.add_argument("--reasoning", action="store_true", help="a reasoning sentence in <think> (default: empty)")
     p.add_argument("--frozen-layers", type=int, default=0, help="train only the layers above this many")
     p.add_argument("--epochs", type=int, default=2)
@@ -61,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         task_types=args.task_types,
         max_detours=args.max_detours,
         reasoning=args.reasoning,
+        rubric_games=args.rubric_games,
         frozen_layers=args.frozen_layers,
         rollout=rollout,
         train=FinetuneConfig(

@@ -34,6 +34,8 @@ from orsd_jax.loss import response_logprobs
 from orsd_jax.metrics_log import console_logging
 from orsd_jax.models import CausalLM, cache_dir, load_model, save_hf
 from orsd_jax.rollout import RolloutConfig
+from orsd_jax.rubrics import rubric_insert
+from orsd_jax.rubrics.oracle import alfworld_oracle
 from orsd_jax.train_step import OptimizerConfig, init_train_state, make_mesh, make_optimizer, make_train_step
 
 
@@ -81,6 +83,14 @@ def demo_sample(demo: Demonstration, fmt: chat.ChatFormat) -> StepSample:
         old_logprobs=(0.0,) * len(demo.answer_ids),
         advantage=0.0,
     )
+
+
+def with_rubric(demo: Demonstration, insert: str, *, tokenizer, fmt: chat.ChatFormat) -> Demonstration:
+    """``demo`` with ``insert`` (a rubric's text) between its user message and the chat tail: the
+    tokens ORSD's with-rubric replay reads (``samples.step_samples``)."""
+    tail = len(fmt.tail)
+    ids = demo.prompt_ids[:-tail] + tuple(chat.encode(tokenizer, insert)) + demo.prompt_ids[-tail:]
+    return dataclasses.replace(demo, user_text=demo.user_text + insert, prompt_ids=ids)
 
 
 def finetune(
@@ -182,9 +192,16 @@ class WarmStartRun:
     frozen_layers: int = 0
     rollout: RolloutConfig = RolloutConfig()
     train: FinetuneConfig = FinetuneConfig()
+    # The first N demonstrated games are demonstrated once more with their oracle rubric in the
+    # prompt, where ORSD inserts a selected rubric, and without detours (the rubric's plan is
+    # followed): a policy that has seen a rubric can learn to read one (docs/results/probe.md).
+    rubric_games: int = 0
 
     def key(self) -> str:
-        text = json.dumps({"version": DEMO_VERSION, **dataclasses.asdict(self)}, sort_keys=True, default=str)
+        fields = dataclasses.asdict(self)
+        if not self.rubric_games:
+            del fields["rubric_games"]  # warm starts cached before the field existed keep their key
+        text = json.dumps({"version": DEMO_VERSION, **fields}, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -213,6 +230,21 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
         max_detours=run.max_detours,
         seed=run.games_seed,
     )
+    if run.rubric_games:
+        plain = walkthrough_demos(
+            env,
+            tasks[: run.rubric_games],
+            alfworld_walkthrough,
+            run.rollout,
+            build_prompt,
+            tokenizer=tokenizer,
+            fmt=fmt,
+            reasoning=run.reasoning,
+        )
+        by_key = {t.key: t for t in tasks}
+        demos += [
+            with_rubric(d, rubric_insert(alfworld_oracle(by_key[d.game])), tokenizer=tokenizer, fmt=fmt) for d in plain
+        ]
     env.close()
     write_jsonl(demos, out / "demos.jsonl")
     demo_seconds = time.perf_counter() - started

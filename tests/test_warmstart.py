@@ -20,9 +20,12 @@ from orsd_jax.demos import alfworld_walkthrough, record_episode, walkthrough_dem
 from orsd_jax.envs import EnvPool
 from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
 from orsd_jax.models import EMBEDDED, CausalLM, ModelConfig, resolve
-from orsd_jax.rollout import RolloutConfig, collect_groups
+from orsd_jax.rollout import Group, RolloutConfig, Step, Trajectory, collect_groups
+from orsd_jax.rubrics import GroupRubric, ParsedBundle, Selection, rubric_insert
+from orsd_jax.rubrics.oracle import alfworld_oracle
+from orsd_jax.samples import step_samples
 from orsd_jax.sampling.jax_sampler import JaxSampler
-from orsd_jax.warmstart import SupervisedLoss, _pad_rows, demo_sample, frozen_states, shuffled_batches
+from orsd_jax.warmstart import SupervisedLoss, _pad_rows, demo_sample, frozen_states, shuffled_batches, with_rubric
 
 ROLLOUT = RolloutConfig(max_steps=4, max_prompt_tokens=1024, max_response_tokens=24, history_length=2)
 
@@ -72,6 +75,45 @@ def test_demonstration_prompts_are_the_rollout_prompts(setup):
         assert [d.prompt_ids for d in demos] == [tuple(r[1]) for r in records]
     finally:
         env.close()
+
+
+def test_rubric_demonstrations_are_the_with_rubric_replay_prompts(setup):
+    """A rubric-reading demonstration's prompt is, token for token, what ORSD's with-rubric replay reads
+    for the same step under the same (oracle) rubric: prefix, rubric insert, chat tail."""
+    tokenizer, fmt, _, tasks = setup
+    env = AlfworldEnv(max_steps=ROLLOUT.max_steps)
+    try:
+        demos = walkthrough_demos(
+            env, tasks[2:3], alfworld_walkthrough, ROLLOUT, build_prompt, tokenizer=tokenizer, fmt=fmt
+        )
+    finally:
+        env.close()
+    criteria = alfworld_oracle(tasks[2])
+    steps = tuple(
+        Step(
+            d.user_text,
+            d.prompt_ids,
+            d.answer_ids,
+            (0.0,) * len(d.answer_ids),
+            d.answer,
+            "",
+            None,
+            True,
+            True,
+            0.0,
+            False,
+            0,
+        )
+        for d in demos
+    )
+    group = Group(tasks[2], (Trajectory(tasks[2], steps, False, 0.0),))
+    chosen = GroupRubric((ParsedBundle(criteria, ""),), np.zeros((1, 1)), Selection(0, np.zeros(1), ""))
+    samples, _ = step_samples([group], [[np.zeros(len(steps))]], [chosen], fmt, tokenizer)
+    insert = rubric_insert(criteria)
+    read = [with_rubric(d, insert, tokenizer=tokenizer, fmt=fmt) for d in demos]
+    assert [r.prompt_ids for r in read] == [tuple(s.prefix) + tuple(s.insert) + tuple(s.tail) for s in samples]
+    assert all(r.answer_ids == d.answer_ids and r.user_text == d.user_text + insert for r, d in zip(read, demos))
+    assert "1. Goes to the" in insert and all(len(r.prompt_ids) > len(d.prompt_ids) for r, d in zip(read, demos))
 
 
 def test_demonstrations_do_not_depend_on_where_the_games_are(setup, tmp_path):
