@@ -14,12 +14,15 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Sequence
+import typing
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from orsd_jax.envs.base import TextEnv
+    from orsd_jax.envs.webshop import WebShopEnv
     from orsd_jax.rollout import Group
     from orsd_jax.rubrics import GroupRubric
     from orsd_jax.samples import StepKey
@@ -37,6 +40,25 @@ class RecordedMinibatch:
     mask: np.ndarray
 
 
+def expert_labels(groups: Sequence[Group], make_env: Callable[[], TextEnv]) -> list[list[list[bool]]]:
+    """Per group, trajectory and step: the action was expert-consistent (it shortens the expert's
+    remaining route by one: ALFWorld's planner on the live game, WebShop's route to the goal
+    product, replayed on an env of ``make_env``, which has the episodes' step limit)."""
+    if not groups:
+        return []
+    if groups[0].task.env == "alfworld":
+        from orsd_jax.envs.alfworld import expert as alfworld_expert
+
+        return alfworld_expert.label_groups(groups)
+    from orsd_jax.envs.webshop import expert as webshop_expert
+
+    env = make_env()
+    try:
+        return webshop_expert.label_groups(typing.cast("WebShopEnv", env), groups)
+    finally:
+        env.close()
+
+
 def save_credit(
     run_dir: str | os.PathLike,
     update: int,
@@ -45,20 +67,15 @@ def save_credit(
     rubrics: Sequence[GroupRubric] | None,
     index: Sequence[StepKey],
     minibatches: Sequence[RecordedMinibatch],
+    make_env: Callable[[], TextEnv],
 ) -> pathlib.Path:
     """What the credit maps show, in ``steps/<update>/``: the groups as text with each
     trajectory's return (``returns[g][t]``), the rubric candidates and selection, the per-token
     values of the recorded minibatches (``index[i]``: where step sample ``i`` came from) and
-    (ALFWorld) whether each step's action was expert-consistent (``expert.label_groups``)."""
+    whether each step's action was expert-consistent (``expert_labels``, on an env of ``make_env``)."""
     directory = pathlib.Path(run_dir) / "steps" / f"{update:05d}"
     directory.mkdir(parents=True, exist_ok=True)
-    expert: Sequence[Sequence[Sequence[bool | None]]] = [
-        [[None] * len(t.steps) for t in g.trajectories] for g in groups
-    ]
-    if groups and groups[0].task.env == "alfworld":
-        from orsd_jax.envs.alfworld.expert import label_groups
-
-        expert = label_groups(groups)
+    expert = expert_labels(groups, make_env)
     payload = {
         "groups": [
             {
@@ -132,7 +149,7 @@ class StepCredit:
     reward: float
     criteria: tuple[str, ...] | None  # the group's selected rubric (None: the group got none)
     values: dict[str, np.ndarray]
-    expert: bool | None = None  # the action was expert-consistent (ALFWorld's planner; None: unknown)
+    expert: bool | None = None  # the action was expert-consistent (``expert_labels``; None: not recorded)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,7 +229,9 @@ def train(
             metrics = result.metrics
             if result.recorded:
                 r = result
-                save_credit(out, update + 1, r.groups, r.returns, r.rubrics, r.index, r.recorded)
+                save_credit(
+                    out, update + 1, r.groups, r.returns, r.rubrics, r.index, r.recorded, services.suite.make_env
+                )
             if c.eval_every and (update + 1) % c.eval_every == 0 and update + 1 < c.updates:
                 metrics |= evaluate(services, update + 1)
             metrics_log.write(update + 1, metrics)

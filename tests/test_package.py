@@ -44,7 +44,7 @@ def test_pyproject_declares_the_scripts_and_the_pinned_requirements():
     pinned = [line.split("#")[0].strip() for line in (REPO / "requirements.txt").read_text().splitlines()]
     pinned = [line for line in pinned if line]
     test_only = project["optional-dependencies"]["test"]
-    assert {line.split("==")[0] for line in test_only} == {"pytest", "hypothesis", "ruff", "mypy"}
+    assert {line.split("==")[0] for line in test_only} == {"pytest", "pytest-xdist", "hypothesis", "ruff", "mypy"}
     assert sorted(project["dependencies"] + test_only) == sorted(pinned), "pyproject.toml and requirements.txt differ"
 
 

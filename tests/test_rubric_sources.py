@@ -82,6 +82,18 @@ def test_training_reads_the_oracle_bundles(env, method, tmp_path, webshop_data):
         from orsd_jax.envs.webshop.world import WorldKey, world_for
 
         assert expected[0] == webshop_oracle(world_for(WorldKey.make(webshop_data)).goals[int(tasks[0].key)])
+    # Every recorded step carries its expert label, for WebShop from an env with the episodes' step limit.
+    played = [
+        (Task(**g["task"]), [s["action"] or "" for s in t["steps"]]) for g in step["groups"] for t in g["trajectories"]
+    ]
+    recorded = [[s["expert"] for s in t["steps"]] for g in step["groups"] for t in g["trajectories"]]
+    assert all(isinstance(e, bool) for labels in recorded for e in labels)
+    if env == "webshop":
+        from orsd_jax.envs.webshop import WebShopEnv
+        from orsd_jax.envs.webshop.expert import label_episodes
+
+        shop = WebShopEnv(str(webshop_data), max_steps=config.rollout.max_steps)
+        assert label_episodes(shop, played) == recorded
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["rubric/bundles"] == 2.0 and metrics[0]["rubric/valid_bundles"] == 2.0
 

@@ -122,6 +122,11 @@ class WebShopEnv:
             raise RuntimeError("no goal yet: call reset(task) first")
         return self._goal
 
+    @property
+    def session(self) -> Session:
+        """Where the agent is now (a frozen ``Session``: reading it changes nothing)."""
+        return self._session
+
     def reset(self, task: Task) -> EnvStep:
         if task.env != "webshop":
             raise ValueError(f"WebShopEnv cannot play a {task.env!r} task")
