@@ -1,12 +1,17 @@
-"""Does the rubric carry credit? Play held-out ALFWorld games with a policy, label every step with
-the engine's expert, and measure the log-likelihood gap under each rubric source.
+"""Does the rubric carry credit? Play held-out ALFWorld games (or WebShop test goals) with a
+policy, label every step with the environment's expert, and measure the log-likelihood gap under
+each rubric source.
 
     python -m experiments.credit_probe                                  # the cpu-demo warm start
     python -m experiments.credit_probe --policy runs/x/policy --games 48 --other-games 24
+    python -m experiments.credit_probe --env webshop --policy runs/y/policy --games 50 --within-states 4
 
-Sources: ``oracle`` (the planner's plan as criteria), ``policy`` (the policy's own rubric: K
+Expert labels: a step is expert-consistent iff its action shortens the expert's remaining route by
+one (ALFWorld: the engine's planner on the live game; WebShop: the route to the goal product).
+
+Sources: ``oracle`` (the planner's plan, or the WebShop goal, as criteria), ``policy`` (the policy's own rubric: K
 bundles written from the group, verified by the frozen policy on the same vLLM server, the best
-rank-correlated one kept, as ORSD does), ``shuffled`` (another game's oracle bundle) and
+rank-correlated one kept, as ORSD does), ``shuffled`` (another task's oracle bundle) and
 ``neutral`` (text of the oracle's shape about nothing). Writes OUT/probe.md (the table),
 OUT/probe.csv (one row per step and source), OUT/states.csv (the within-state scores),
 OUT/probe.json (settings and the summary) and OUT/probe.png (gap distributions).
@@ -22,14 +27,29 @@ import json
 import pathlib
 import pickle
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 SOURCES = ("oracle", "policy", "shuffled", "neutral")
 
 
-def _tasks(args):
-    from orsd_jax.envs.alfworld import default_games, load_split
+@dataclasses.dataclass(frozen=True)
+class ProbeEnv:
+    """What the probe needs of an environment: its held-out tasks, how to play them, their oracle
+    bundles and the states probed action by action."""
+
+    tasks: list
+    make_env: Callable  # picklable, for spawned workers
+    build_prompt: Callable
+    rollout: object  # RolloutConfig
+    oracle: Callable  # task -> criteria
+    states: Callable  # (groups, per_game) -> [(group, step, candidate actions, the expert's action)]
+
+
+def _alfworld(args, rollout) -> ProbeEnv:
+    from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
+    from orsd_jax.rubrics.oracle import alfworld_oracle
 
     root = default_games("easy", args.games_seed, 8, args.generated)
     tasks = []
@@ -40,14 +60,32 @@ def _tasks(args):
                 f"{len(pool)} held-out {task_type} games among {args.generated} per split; raise --generated"
             )
         tasks += pool[:n]
-    return tasks
+    make_env = functools.partial(AlfworldEnv, max_steps=rollout.max_steps)
+    return ProbeEnv(tasks, make_env, build_prompt, rollout, alfworld_oracle, _alfworld_states)
 
 
-def _play(args, policy, tokenizer, fmt, tasks, rollout):
+def _webshop(args, rollout) -> ProbeEnv:
+    from orsd_jax.envs.webshop import WebShopEnv, build_prompt, load_goals
+    from orsd_jax.envs.webshop.env import DEFAULT_MAX_STEPS
+    from orsd_jax.rubrics import sources
+
+    rollout = dataclasses.replace(rollout, max_steps=DEFAULT_MAX_STEPS, max_prompt_tokens=3072)
+    tasks = list(load_goals(args.data_dir, "test"))[: args.games]
+    make_env = functools.partial(WebShopEnv, args.data_dir, max_steps=rollout.max_steps)
+    return ProbeEnv(
+        tasks,
+        make_env,
+        build_prompt,
+        rollout,
+        sources.oracle_for("webshop", args.data_dir),
+        functools.partial(_webshop_states, make_env),
+    )
+
+
+def _play(args, policy, tokenizer, fmt, probe_env: ProbeEnv):
     """Groups of ``--group-size`` episodes per task, the vLLM sampler and the server it runs on."""
     from orsd_jax import seeds
     from orsd_jax.envs import EnvPool
-    from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt
     from orsd_jax.rollout import collect_groups
     from orsd_jax.sampling.vllm_sampler import VLLMSampler
     from orsd_jax.sampling.vllm_server import ServerOptions
@@ -55,7 +93,8 @@ def _play(args, policy, tokenizer, fmt, tasks, rollout):
     sampler = VLLMSampler(policy, tokenizer, options=ServerOptions(max_model_len=4096, seed=args.seed))
     groups = []
     per_call = max(1, 16 // args.group_size)
-    with EnvPool(functools.partial(AlfworldEnv, max_steps=rollout.max_steps), per_call * args.group_size) as pool:
+    tasks, rollout = probe_env.tasks, probe_env.rollout
+    with EnvPool(probe_env.make_env, per_call * args.group_size) as pool:
         for start in range(0, len(tasks), per_call):
             chunk = tasks[start : start + per_call]
             chunk = chunk + [chunk[-1]] * (per_call - len(chunk))
@@ -68,7 +107,7 @@ def _play(args, policy, tokenizer, fmt, tasks, rollout):
                 seeds.derive(args.seed, start),
                 tokenizer=tokenizer,
                 fmt=fmt,
-                build_prompt=build_prompt,
+                build_prompt=probe_env.build_prompt,
             )
             groups += played[: len(tasks) - start]
             print(f"played {len(groups)}/{len(tasks)} groups", flush=True)
@@ -95,7 +134,7 @@ def _policy_rubrics(args, sampler, tokenizer, fmt, groups, advantage):
     return [r.criteria for r in chosen], rubric_metrics(chosen)
 
 
-def _states(groups, per_game: int):
+def _alfworld_states(groups, per_game: int):
     """The first ``per_game`` states of each group's first trajectory: (group, step, admissible
     actions, the planner's first command)."""
     from orsd_jax.envs.alfworld.engine import make_engine
@@ -116,6 +155,36 @@ def _states(groups, per_game: int):
     return out
 
 
+def _webshop_states(make_env, groups, per_game: int):
+    """As ``_alfworld_states``, with the first step of the route to the goal product as the expert's
+    action. The search box is one candidate, searching the goal's title (the route's own search);
+    a state with a single candidate is skipped."""
+    from orsd_jax.envs.webshop import parse_command
+    from orsd_jax.envs.webshop.expert import expert_route
+    from orsd_jax.envs.webshop.oracle import title_query
+    from orsd_jax.envs.webshop.pages import SEARCH_PLACEHOLDER
+
+    env = make_env()
+    out = []
+    try:
+        for g, group in enumerate(groups):
+            current = env.reset(group.task)
+            for k, step in enumerate(group.trajectories[0].steps[:per_game]):
+                route = expert_route(env, current)
+                actions = tuple(a for a in current.admissible_actions if a != SEARCH_PLACEHOLDER)
+                if SEARCH_PLACEHOLDER in current.admissible_actions:
+                    actions = (f"search[{title_query(env.goal.name)}]", *actions)
+                expert = next((a for a in actions if route and parse_command(a) == parse_command(route[0])), None)
+                if expert is not None and len(actions) > 1:
+                    out.append((g, k, actions, expert))
+                current = env.step(step.action or "")
+                if current.done:
+                    break
+    finally:
+        env.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", help="Hugging Face directory (default: the cpu-demo warm start, cached)")
@@ -125,11 +194,13 @@ def main(argv: list[str] | None = None) -> None:
         help="without --policy: the cpu-demo warm start with this many games also demonstrated with their "
         "oracle rubric in the prompt (default: the preset's)",
     )
-    p.add_argument("--type", default="look", help="the task type the policy was trained on")
-    p.add_argument("--games", type=int, default=48)
-    p.add_argument("--other-type", default="pick")
-    p.add_argument("--other-games", type=int, default=24)
-    p.add_argument("--generated", type=int, default=200, help="generated games per held-out split")
+    p.add_argument("--env", default="alfworld", choices=["alfworld", "webshop"])
+    p.add_argument("--data-dir", help="WebShop: the official files (default: $WEBSHOP_DATA, else ../shared/webshop)")
+    p.add_argument("--type", default="look", help="ALFWorld: the task type the policy was trained on")
+    p.add_argument("--games", type=int, default=48, help="ALFWorld: games of --type; WebShop: test goals")
+    p.add_argument("--other-type", default="pick", help="ALFWorld")
+    p.add_argument("--other-games", type=int, default=24, help="ALFWorld")
+    p.add_argument("--generated", type=int, default=200, help="ALFWorld: generated games per held-out split")
     p.add_argument("--games-seed", type=int, default=0)
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--sources", default=",".join(SOURCES))
@@ -146,20 +217,20 @@ def main(argv: list[str] | None = None) -> None:
     from orsd_jax import chat
     from orsd_jax.advantages import returns, step_advantages
     from orsd_jax.config import preset
-    from orsd_jax.credit import token_pieces
+    from orsd_jax.credit import expert_labels, token_pieces
     from orsd_jax.demos import demo_answer
-    from orsd_jax.envs.alfworld.expert import label_groups
     from orsd_jax.metrics_log import console_logging
-    from orsd_jax.models import load_model, resolve
+    from orsd_jax.models import EMBEDDED, load_model, resolve
     from orsd_jax.probe import ProbeState, ProbeStep, branch_logprobs, summarise, token_classes
     from orsd_jax.rubrics import rubric_insert
     from orsd_jax.rubrics import sources as rubric_sources
-    from orsd_jax.rubrics.oracle import alfworld_oracle
 
     console_logging()
     demo = preset("cpu-demo").resolved()
     if args.policy:
         policy = resolve(args.policy)
+    elif args.env == "webshop":  # no WebShop warm start yet: the embedded model as it ships
+        policy = resolve(EMBEDDED)
     else:
         from orsd_jax.warmstart import cached_warmstart
 
@@ -167,11 +238,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.rubric_games is not None:
             run = dataclasses.replace(run, rubric_games=args.rubric_games)
         policy = cached_warmstart(run)
-    tasks = _tasks(args)
+    probe_env = (_alfworld if args.env == "alfworld" else _webshop)(args, demo.rollout)
     model, tokenizer = load_model(policy)
     fmt = chat.chat_format(tokenizer)
     timings, started = {}, time.perf_counter()
-    groups, sampler = _play(args, policy, tokenizer, fmt, tasks, demo.rollout)
+    groups, sampler = _play(args, policy, tokenizer, fmt, probe_env)
     timings["play"] = time.perf_counter() - started
     try:
         started = time.perf_counter()
@@ -183,11 +254,11 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         sampler.close()
     started = time.perf_counter()
-    labels = label_groups(groups)
-    states = _states(groups, args.within_states)
+    labels = expert_labels(groups, probe_env.make_env)
+    states = probe_env.states(groups, args.within_states)
     timings["labels"] = time.perf_counter() - started
 
-    oracle = [alfworld_oracle(g.task) for g in groups]
+    oracle = [probe_env.oracle(g.task) for g in groups]
     rubrics = {
         "oracle": oracle,
         "policy": policy_criteria,
