@@ -6,20 +6,20 @@ assistant header). One packed row holds::
 
     tokens     prefix   | insert  tail  response | tail  response | padding
     branch     0 ...    | 1 ...                  | 2 ...          | -1 ...
-    positions  0 .. P-1 | P .. P+R+S+Y-1         | P .. P+S+Y-1   | 0 ...
+    positions  0 .. p-1 | p .. p+r+s+y-1         | p .. p+s+y-1   | 0 ...
 
 The first part is the with-rubric sequence; the second part is the without-rubric branch, which
 restarts at position ``len(prefix)`` and attends to the shared prefix (branch 0) and to itself
 only. A sample without a rubric is ``[prefix | tail | response]`` alone: its with-rubric
 log-probs are its without-rubric ones, so its correction is 0. One row costs
-``P + R + 2 (S + Y)`` tokens instead of ``2 P + R + 2 (S + Y)`` for two separate sequences.
+``p + r + 2 (s + y)`` tokens instead of ``2 p + r + 2 (s + y)`` for two separate sequences.
 
 The ``two-stream`` layout keeps the two sequences apart and shares the prefix's keys and values
 instead of its row::
 
     tokens          prefix   | tail  response   | padding      (the without-rubric stream)
     rubric_tokens   insert  tail  response      | padding      (the with-rubric stream)
-    rubric_positions P .. P+R+S+Y-1             | 0 ...
+    rubric_positions p .. p+r+s+y-1             | 0 ...
 
 ``orsd_jax.loss`` runs the without-rubric stream with gradients, keeping every layer's keys and
 values, and the with-rubric stream afterwards under stop-gradient, attending through a cache
@@ -29,14 +29,26 @@ measures both layouts against two plain forwards).
 
 With ``build_batch(pack=True)`` a row holds several samples one after another, each a segment
 (``segment``, ``rubric_segment``: its slot in the row) that attends only to itself, so rows of
-short and long prompts waste fewer padding slots. Per-sample arrays then have ``B = rows x K``
-slots, row-major (slot ``b`` is in row ``b // K``), and ``sample`` names the input sample in
+short and long prompts waste fewer padding slots. Per-sample arrays then have ``B = R x k``
+slots, row-major (slot ``b`` is in row ``b // k``), and ``sample`` names the input sample in
 each.
 
-Shapes: R rows (padded to ``batch_multiple``), B = R x K sample slots (K: the most samples in a
-row; 1 without packing), T row length (padded to ``seq_multiple``), U the with-rubric stream's
-length (two-stream only, padded the same), Y response length (padded to
-``response_multiple``). Padding lets the jitted step compile once per bucket.
+Shapes, as the ``jaxtyping`` annotations here, in ``orsd_jax.loss`` and ``orsd_jax.models.decoder``
+name them (annotations only: nothing checks them at run time)::
+
+    R   rows (padded to ``batch_multiple``)
+    T   row length (padded to ``seq_multiple``)
+    U   the with-rubric stream's length (two-stream only, padded the same)
+    B   sample slots, ``R x k`` row-major (k: the most samples in a row; 1 without packing)
+    Y   response length (padded to ``response_multiple``)
+    N   input samples (``build_batch``'s ``samples``)
+    D   hidden size, V vocabulary, L layers, K key/value heads, H head dim (the model's)
+
+Padding lets the jitted step compile once per bucket. The decoder names its own inputs ``[B, T]``
+and the keys they attend ``S``: the loss runs it on rows, so there its ``B`` is ``R`` (its ``T``
+is ``U`` and ``S`` is ``T + U`` for the with-rubric stream). Lower-case letters are lengths no
+array has as an axis: ``k`` above, and one sample's prefix ``p``, rubric ``r``, tail ``s`` and
+response ``y`` in the diagrams.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Bool, Float, Float32, Int, Int32
 
 SHARED, WITH, WITHOUT, PAD = 0, 1, 2, -1
 LAYOUTS = ("packed", "two-stream")
@@ -73,35 +86,35 @@ class StepSample:
 class Batch:
     """Packed step samples (numpy on the host; the jitted step takes it as a pytree of arrays)."""
 
-    tokens: np.ndarray | jax.Array  # int32[R, T]
-    positions: np.ndarray | jax.Array  # int32[R, T]
-    branch: np.ndarray | jax.Array  # int32[R, T]: SHARED, WITH, WITHOUT or PAD
-    segment: np.ndarray | jax.Array  # int32[R, T]: the token's sample slot in its row, PAD for padding
-    sample: np.ndarray | jax.Array  # int32[B]: the input sample in each slot, -1 for an empty one
-    response: np.ndarray | jax.Array  # int32[B, Y]: the response tokens
+    tokens: Int32[np.ndarray | jax.Array, "R T"]
+    positions: Int32[np.ndarray | jax.Array, "R T"]
+    branch: Int32[np.ndarray | jax.Array, "R T"]  # SHARED, WITH, WITHOUT or PAD
+    segment: Int32[np.ndarray | jax.Array, "R T"]  # the token's sample slot in its row, PAD for padding
+    sample: Int32[np.ndarray | jax.Array, " B"]  # the input sample in each slot, -1 for an empty one
+    response: Int32[np.ndarray | jax.Array, "B Y"]  # the response tokens
     # Index in the slot's row whose output predicts response[:, j] with the rubric (two-stream: in rubric_tokens).
-    with_index: np.ndarray | jax.Array  # int32[B, Y]
-    without_index: np.ndarray | jax.Array  # int32[B, Y]: the same without the rubric
-    response_mask: np.ndarray | jax.Array  # float32[B, Y]: 1 on real response tokens
-    old_logp: np.ndarray | jax.Array  # float32[B, Y]
-    advantage: np.ndarray | jax.Array  # float32[B]
-    has_rubric: np.ndarray | jax.Array  # bool[B]
-    ref_logp: np.ndarray | jax.Array | None = None  # float32[B, Y]
-    sampler_logp: np.ndarray | jax.Array | None = None  # float32[B, Y]
-    # [R, T, D]: the model's ``frozen_states`` of ``tokens``, computed once (the warm start's epochs).
-    frozen: np.ndarray | jax.Array | None = None
+    with_index: Int32[np.ndarray | jax.Array, "B Y"]
+    without_index: Int32[np.ndarray | jax.Array, "B Y"]  # the same without the rubric
+    response_mask: Float32[np.ndarray | jax.Array, "B Y"]  # 1 on real response tokens
+    old_logp: Float32[np.ndarray | jax.Array, "B Y"]
+    advantage: Float32[np.ndarray | jax.Array, " B"]
+    has_rubric: Bool[np.ndarray | jax.Array, " B"]
+    ref_logp: Float32[np.ndarray | jax.Array, "B Y"] | None = None
+    sampler_logp: Float32[np.ndarray | jax.Array, "B Y"] | None = None
+    # The model's ``frozen_states`` of ``tokens`` (its compute dtype), computed once (the warm start's epochs).
+    frozen: Float[np.ndarray | jax.Array, "R T D"] | None = None
     # The two-stream layout's with-rubric stream (None: the packed layout, or no sample has a rubric).
-    rubric_tokens: np.ndarray | jax.Array | None = None  # int32[R, U]
-    rubric_positions: np.ndarray | jax.Array | None = None  # int32[R, U]
-    rubric_branch: np.ndarray | jax.Array | None = None  # int32[R, U]: WITH or PAD
-    rubric_segment: np.ndarray | jax.Array | None = None  # int32[R, U]: as ``segment``
+    rubric_tokens: Int32[np.ndarray | jax.Array, "R U"] | None = None
+    rubric_positions: Int32[np.ndarray | jax.Array, "R U"] | None = None
+    rubric_branch: Int32[np.ndarray | jax.Array, "R U"] | None = None  # WITH or PAD
+    rubric_segment: Int32[np.ndarray | jax.Array, "R U"] | None = None  # as ``segment``
 
     @property
     def two_stream(self) -> bool:
         return self.rubric_tokens is not None
 
-    def sample_slots(self) -> np.ndarray:
-        """``int[N]``: the slot holding each input sample, in input order."""
+    def sample_slots(self) -> Int[np.ndarray, " N"]:
+        """The slot holding each input sample, in input order."""
         sample = np.asarray(self.sample)
         filled = np.flatnonzero(sample >= 0)
         return filled[np.argsort(sample[filled])]
@@ -307,9 +320,11 @@ def build_batch(
     )
 
 
-def tree_attention_mask(branch: np.ndarray | jax.Array, segment: np.ndarray | jax.Array | None = None) -> jax.Array:
-    """``bool[B, T, T]`` from branch ids ``[B, T]`` (and segment ids, rows holding several samples):
-    causal, within one segment, and a token of one branch never sees the other.
+def tree_attention_mask(
+    branch: Int[np.ndarray | jax.Array, "R T"], segment: Int[np.ndarray | jax.Array, "R T"] | None = None
+) -> Bool[jax.Array, "R T T"]:
+    """The rows' attention mask from their branch ids (and segment ids, rows holding several
+    samples): causal, within one segment, and a token of one branch never sees the other.
 
     Query ``i`` attends key ``j`` iff ``j <= i``, both are real tokens of the same segment, and
     ``j`` is in the shared prefix or in ``i``'s branch. Padding queries attend nothing.
@@ -321,8 +336,8 @@ def tree_attention_mask(branch: np.ndarray | jax.Array, segment: np.ndarray | ja
     return mask if segment is None else mask & (segment[:, :, None] == segment[:, None, :])
 
 
-def rubric_attention_mask(batch: Batch) -> jax.Array:
-    """``bool[B, U, T + U]``: what the with-rubric stream's tokens see of a cache holding the row's
+def rubric_attention_mask(batch: Batch) -> Bool[jax.Array, "R U T+U"]:
+    """What the with-rubric stream's tokens see of a cache holding the row's
     keys in slots ``[0, T)`` and the stream's own in ``[T, T + U)``: their sample's prefix, and
     their own earlier stream tokens. Padding tokens see nothing."""
     if batch.rubric_tokens is None or batch.rubric_segment is None:

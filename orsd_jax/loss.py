@@ -20,6 +20,9 @@ the two-stream replay that reuses its prefix's keys and values, and is under sto
 ``l_ref`` is a frozen reference policy's (the initial policy, verl-agent's
 ``use_kl_loss``): ``batch.ref_logp`` when the batch carries it, else computed in the same step
 from the reference model the train step hands the loss.
+
+Shapes are named as in ``orsd_jax.batch`` (R rows of T tokens, U the with-rubric stream's, B
+sample slots of Y response tokens, D hidden); the annotations are not checked at run time.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
+from jaxtyping import Float, Float32, Int, Shaped
 
 from orsd_jax.advantages import orsd_token_advantages
 from orsd_jax.batch import Batch, rubric_attention_mask, tree_attention_mask
@@ -65,9 +69,9 @@ class LossConfig:
 
 def response_logprobs(
     model: CausalLM, batch: Batch, *, temperature: float = 1.0, chunk_size: int = 64, with_rubric: bool = True
-) -> tuple[jax.Array | None, jax.Array, jax.Array]:
-    """``(logp_with, logp_without, entropy_without)``, each ``[B, Y]``, from the batch in either
-    layout of ``orsd_jax.batch``: one forward over packed rows, or the two-stream replay.
+) -> tuple[Float32[jax.Array, "B Y"] | None, Float32[jax.Array, "B Y"], Float32[jax.Array, "B Y"]]:
+    """``(logp_with, logp_without, entropy_without)`` from the batch in either layout of
+    ``orsd_jax.batch``: one forward over packed rows, or the two-stream replay.
 
     ``logp_with`` is under stop-gradient (for samples without a rubric it is meaningless: the loss
     uses ``logp_without`` there), and ``None`` when ``with_rubric`` is off (the with-rubric LM head,
@@ -82,6 +86,7 @@ def response_logprobs(
     logp_without, entropy = slot_logprobs(
         model, hidden, batch.without_index, batch.response, with_entropy=True, **options
     )
+    assert entropy is not None  # with_entropy
     if not with_rubric:
         return None, logp_without, entropy
     if keys_values:
@@ -101,10 +106,14 @@ def response_logprobs(
 
 
 def slot_logprobs(
-    model: CausalLM, hidden: jax.Array, index: np.ndarray | jax.Array, targets: np.ndarray | jax.Array, **options
-):
-    """``logprobs_at`` for sample slots ``[B, Y]`` over rows ``hidden [R, T, D]``, ``B = R x K``
-    row-major (``orsd_jax.batch``)."""
+    model: CausalLM,
+    hidden: Float[jax.Array, "R T D"],
+    index: Int[np.ndarray | jax.Array, "B Y"],
+    targets: Int[np.ndarray | jax.Array, "B Y"],
+    **options,
+) -> tuple[Float32[jax.Array, "B Y"], Float32[jax.Array, "B Y"] | None]:
+    """``logprobs_at`` for sample slots over rows, ``B = R x k`` row-major (``orsd_jax.batch``);
+    ``T`` is the length of the stream read (``U`` for the with-rubric stream's rows)."""
     (r, b), y = (hidden.shape[0], index.shape[0]), index.shape[1]
     logp, entropy = logprobs_at(model, hidden, index.reshape(r, b // r * y), targets.reshape(r, b // r * y), **options)
     return logp.reshape(b, y), None if entropy is None else entropy.reshape(b, y)
@@ -118,20 +127,30 @@ def without_gradient(model: CausalLM) -> CausalLM:
 
 def logprobs_at(
     model: CausalLM,
-    hidden: jax.Array,
-    index: np.ndarray | jax.Array,
-    targets: np.ndarray | jax.Array,
+    hidden: Float[jax.Array, "R T D"],
+    index: Int[np.ndarray | jax.Array, "R M"],
+    targets: Int[np.ndarray | jax.Array, "R M"],
     *,
     temperature: float = 1.0,
     chunk_size: int = 64,
     with_entropy: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Log-probs ``[B, N]`` of ``targets [B, N]`` predicted by the packed rows' positions
-    ``index [B, N]`` of ``hidden [B, T, D]``: the LM head runs at those positions only."""
+) -> tuple[Float32[jax.Array, "R M"], Float32[jax.Array, "R M"] | None]:
+    """Log-probs (and entropies) of ``targets`` predicted by the packed rows' positions ``index``
+    (``M`` of them per row) of ``hidden``: the LM head runs at those positions only."""
     h = jnp.take_along_axis(hidden, index[..., None], axis=1)
     return model.logprobs_from_hidden(
         h, targets, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy
     )
+
+
+# ``(loss_sum, token_count, metric_sums, token_values)``: scalar sums, and per-token values (float, or
+# bool for ``gap_clipped``).
+LossOutput = tuple[
+    Float32[jax.Array, ""],
+    Float32[jax.Array, ""],
+    dict[str, Float32[jax.Array, ""]],
+    dict[str, Shaped[jax.Array, "B Y"]],
+]
 
 
 def _k3(log_ratio: jax.Array) -> jax.Array:
@@ -140,15 +159,15 @@ def _k3(log_ratio: jax.Array) -> jax.Array:
 
 
 def policy_loss(
-    logp: jax.Array,
-    entropy: jax.Array,
-    logp_with: jax.Array | None,
+    logp: Float32[jax.Array, "B Y"],
+    entropy: Float32[jax.Array, "B Y"],
+    logp_with: Float32[jax.Array, "B Y"] | None,
     batch: Batch,
     config: LossConfig,
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array], dict[str, jax.Array]]:
+) -> LossOutput:
     """``(loss_sum, token_count, metric_sums, token_values)`` from the without-rubric
-    ``logp``/``entropy [B, Y]`` and the with-rubric ``logp_with [B, Y]`` (``None``: no correction).
-    Only samples with ``batch.has_rubric`` are corrected. ``token_values`` are ``[B, Y]`` arrays
+    ``logp``/``entropy`` and the with-rubric ``logp_with`` (``None``: no correction). Only samples
+    with ``batch.has_rubric`` are corrected. ``token_values`` are per-token arrays
     (``orsd_jax.credit.VALUES``): log-probs with and without the rubric, their gap, the sample's
     advantage, the corrected token advantage and where the gap was clipped."""
     mask = batch.response_mask
@@ -219,7 +238,7 @@ class OrsdLoss:
 
     config: LossConfig = LossConfig()
 
-    def __call__(self, model: CausalLM, batch: Batch, reference: CausalLM | None = None):
+    def __call__(self, model: CausalLM, batch: Batch, reference: CausalLM | None = None) -> LossOutput:
         c = self.config
         logp_with, logp, entropy = response_logprobs(
             model, batch, temperature=c.temperature, chunk_size=c.chunk_size, with_rubric=c.coef != 0

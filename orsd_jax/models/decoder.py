@@ -9,7 +9,9 @@ with ``jax.lax.scan``: one compiled layer body whatever the depth, which keeps c
 short on CPU and lets ``remat`` wrap exactly one layer.
 
 Shapes: B batch, T query length, S key length, D hidden, N query heads, K key/value heads,
-H head dim, F MLP width, V vocabulary, L layers.
+H head dim, F MLP width, V vocabulary, L layers (the public methods' ``jaxtyping`` annotations use
+them; nothing checks them at run time). The training loss runs the model on a batch's rows:
+``orsd_jax.batch`` names them R.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxtyping import Bool, Float, Float32, Int
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows stay NaN-free
@@ -142,11 +145,11 @@ class ModelConfig:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer, k, v ``[L, B, S, K, H]``, written at slot = token position
-    unless ``hidden_states`` is given other slots."""
+    """Keys and values of every layer, written at slot = token position unless ``hidden_states`` is
+    given other slots."""
 
-    k: jax.Array
-    v: jax.Array
+    k: Float[jax.Array, "L B S K H"]
+    v: Float[jax.Array, "L B S K H"]
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
@@ -285,8 +288,8 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), cache
 
 
-def segment_mask(segment_ids: jax.Array) -> jax.Array:
-    """Causal attention within packed segments: ``bool[B, T, T]`` from ``segment_ids [B, T]``."""
+def segment_mask(segment_ids: Int[jax.Array, "B T"]) -> Bool[jax.Array, "B T T"]:
+    """Causal attention within packed segments."""
     t = segment_ids.shape[1]
     causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
     return causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
@@ -311,32 +314,32 @@ class CausalLM(nnx.Module):
             self.lm_head = _param(rngs, (config.vocab_size, config.hidden_size), dtype)
 
     @property
-    def unembedding(self) -> jax.Array:
-        """``[V, D]``: the output projection (the embedding when tied)."""
+    def unembedding(self) -> Float[jax.Array, "V D"]:
+        """The output projection (the embedding when tied)."""
         return (self.embed if self.config.tie_word_embeddings else self.lm_head)[...]
 
     def hidden_states(
         self,
-        input_ids: np.ndarray | jax.Array,
-        positions: np.ndarray | jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
+        input_ids: Int[np.ndarray | jax.Array, "B T"],
+        positions: Int[np.ndarray | jax.Array, "B T"] | None = None,
+        segment_ids: Int[jax.Array, "B T"] | None = None,
         *,
-        mask: jax.Array | None = None,
+        mask: Bool[jax.Array, "B T S"] | None = None,
         cache: KVCache | None = None,
-        slots: jax.Array | None = None,
-        frozen: np.ndarray | jax.Array | None = None,
+        slots: Int[jax.Array, "B T"] | None = None,
+        frozen: Float[np.ndarray | jax.Array, "B T D"] | None = None,
         keys_values: bool = False,
-    ) -> tuple[jax.Array, KVCache | None]:
-        """Final-normed hidden states ``[B, T, D]`` and the updated cache when one is given; without a
-        cache, ``keys_values`` returns every layer's keys and values of these tokens instead (a
-        ``KVCache`` of ``[L, B, T, K, H]``, under stop-gradient), else ``None``.
+    ) -> tuple[Float[jax.Array, "B T D"], KVCache | None]:
+        """Final-normed hidden states and the updated cache when one is given; without a cache,
+        ``keys_values`` returns every layer's keys and values of these tokens instead (a ``KVCache``
+        of ``[L, B, T, K, H]``, under stop-gradient), else ``None``.
 
-        ``slots [B, T]``: where a cache receives these tokens' keys (default: their positions).
-        ``mask bool[B, T, S]`` overrides the default (causal within ``segment_ids``; with a cache:
-        every slot at or before the query's position); without a cache it must never let a token
-        see a later one (``attend`` skips those keys). ``frozen [B, T, D]``: ``frozen_states`` of
-        the same inputs, computed earlier (frozen weights give the same states every epoch), so
-        only the trainable layers run.
+        ``slots``: where a cache receives these tokens' keys (default: their positions). ``mask``
+        overrides the default (causal within ``segment_ids``; with a cache: every slot at or before
+        the query's position); without a cache it must never let a token see a later one
+        (``attend`` skips those keys), and ``S`` is ``T``. ``frozen``: ``frozen_states`` of the same
+        inputs, computed earlier (frozen weights give the same states every epoch), so only the
+        trainable layers run.
         """
         positions, mask = self._positions_and_mask(input_ids, positions, segment_ids, mask, cache)
         k = self.config.frozen_layers
@@ -358,15 +361,15 @@ class CausalLM(nnx.Module):
 
     def frozen_states(
         self,
-        input_ids: np.ndarray | jax.Array,
-        positions: np.ndarray | jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
+        input_ids: Int[np.ndarray | jax.Array, "B T"],
+        positions: Int[np.ndarray | jax.Array, "B T"] | None = None,
+        segment_ids: Int[jax.Array, "B T"] | None = None,
         *,
-        mask: jax.Array | None = None,
-    ) -> jax.Array:
-        """``[B, T, D]``: the residual stream after the embedding and the first ``frozen_layers``
-        layers. With frozen layers the embedding is frozen too and the result is under
-        stop-gradient, so the backward pass skips them entirely."""
+        mask: Bool[jax.Array, "B T T"] | None = None,
+    ) -> Float[jax.Array, "B T D"]:
+        """The residual stream after the embedding and the first ``frozen_layers`` layers. With
+        frozen layers the embedding is frozen too and the result is under stop-gradient, so the
+        backward pass skips them entirely."""
         x = self._embed(input_ids)
         k = self.config.frozen_layers
         if not k:
@@ -406,30 +409,35 @@ class CausalLM(nnx.Module):
             body = jax.checkpoint(body)
         return jax.lax.scan(body, x, (layer_state, cache))
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """``[..., D] -> float32[..., V]``."""
+    def logits(self, hidden: Float[jax.Array, "*shape D"]) -> Float32[jax.Array, "*shape V"]:
+        """The LM head, in float32 whatever the compute dtype."""
         w = self.unembedding.astype(hidden.dtype)
         return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
 
-    def __call__(self, input_ids, positions=None, segment_ids=None) -> jax.Array:
+    def __call__(
+        self,
+        input_ids: Int[np.ndarray | jax.Array, "B T"],
+        positions: Int[np.ndarray | jax.Array, "B T"] | None = None,
+        segment_ids: Int[jax.Array, "B T"] | None = None,
+    ) -> Float32[jax.Array, "B T V"]:
         hidden, _ = self.hidden_states(input_ids, positions, segment_ids)
         return self.logits(hidden)
 
     def token_logprobs(
         self,
-        input_ids: jax.Array,
-        targets: jax.Array,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
+        input_ids: Int[jax.Array, "B T"],
+        targets: Int[jax.Array, "B T"],
+        positions: Int[jax.Array, "B T"] | None = None,
+        segment_ids: Int[jax.Array, "B T"] | None = None,
         *,
-        mask: jax.Array | None = None,
+        mask: Bool[jax.Array, "B T T"] | None = None,
         chunk_size: int = 256,
         temperature: float = 1.0,
         with_entropy: bool = False,
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """``log p(targets[b, t] | input_ids[b, :t+1])`` as ``float32[B, T]``, never building ``[B, T, V]``.
+    ) -> tuple[Float32[jax.Array, "B T"], Float32[jax.Array, "B T"] | None]:
+        """``log p(targets[b, t] | input_ids[b, :t+1])``, never building ``[B, T, V]``.
 
-        See ``logprobs_from_hidden``; also returns the entropy ``[B, T]`` if asked.
+        See ``logprobs_from_hidden``; also returns the entropy if asked.
         """
         hidden, _ = self.hidden_states(input_ids, positions, segment_ids, mask=mask)
         return self.logprobs_from_hidden(
@@ -438,14 +446,14 @@ class CausalLM(nnx.Module):
 
     def logprobs_from_hidden(
         self,
-        hidden: jax.Array,
-        targets: np.ndarray | jax.Array,
+        hidden: Float[jax.Array, "B T D"],
+        targets: Int[np.ndarray | jax.Array, "B T"],
         *,
         chunk_size: int = 256,
         temperature: float = 1.0,
         with_entropy: bool = False,
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """Log-probs of ``targets [B, T]`` under the logits of ``hidden [B, T, D]`` (and entropies).
+    ) -> tuple[Float32[jax.Array, "B T"], Float32[jax.Array, "B T"] | None]:
+        """Log-probs of ``targets`` under the logits of ``hidden`` (and entropies).
 
         Logits are computed ``chunk_size`` positions at a time under ``jax.checkpoint``, so forward
         and backward hold at most ``[B, chunk_size, V]``. Logits are divided by ``temperature``
