@@ -1,6 +1,8 @@
-"""Supervised warm start on ALFWorld planner walkthroughs, then an evaluation on held-out games.
+"""Supervised warm start on expert episodes (ALFWorld's planner walkthroughs, WebShop's oracle
+purchases), then an evaluation on held-out games or test goals.
 
     python -m experiments.warmstart --env alfworld --model smollm2-135m-instruct --out runs/warmstart
+    python -m experiments.warmstart --env webshop --data-dir PATH --demo-games 48 --out runs/ws-warmstart
 
 Writes OUT/policy (a Hugging Face directory the RL presets take as their initial policy),
 OUT/demos.jsonl (every demonstration: the exact RL prompt and the target answer),
@@ -24,7 +26,10 @@ from orsd_jax.warmstart import FinetuneConfig, WarmStartRun, run_warmstart
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--env", default="alfworld", choices=["alfworld"], help="environment of the demonstrations")
+    p.add_argument(
+        "--env", default="alfworld", choices=["alfworld", "webshop"], help="environment of the demonstrations"
+    )
+    p.add_argument("--data-dir", help="WebShop: the official files (default: $WEBSHOP_DATA)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="registry name or Hugging Face directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--difficulty", default="easy", choices=["easy", "standard", "hard"])
@@ -34,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--task-types",
         type=task_types,
         default=(),
-        help="task types to demonstrate and evaluate, comma-separated (default: all)",
+        help="ALFWorld task types or WebShop categories to demonstrate and evaluate, comma-separated (default: all)",
     )
     p.add_argument("--max-detours", type=int, default=2, help="random visits before the plan (exploration)")
     p.add_argument(
@@ -48,9 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--max-steps", type=int, default=50, help="episode step limit")
+    p.add_argument("--max-steps", type=int, help="episode step limit (default: ALFWorld 50, WebShop 15)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048)
-    p.add_argument("--eval-games", type=int, default=50, help="valid_seen games to evaluate on (0: none)")
+    p.add_argument(
+        "--eval-games",
+        type=int,
+        default=50,
+        help="ALFWorld valid_seen games or WebShop test goals to evaluate on (0: none)",
+    )
     p.add_argument("--eval-temperature", type=float, default=0.4)
     p.add_argument("--sampler", default="vllm", choices=["vllm", "jax"])
     return p.parse_args(argv)
@@ -58,8 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)  # before any game loads: the planner overwrites sys.argv
-    rollout = RolloutConfig(max_steps=args.max_steps, max_prompt_tokens=args.max_prompt_tokens)
+    max_steps = args.max_steps or (50 if args.env == "alfworld" else 15)
+    rollout = RolloutConfig(max_steps=max_steps, max_prompt_tokens=args.max_prompt_tokens)
     run = WarmStartRun(
+        env=args.env,
+        data_dir=args.data_dir,
         model=args.model,
         difficulty=args.difficulty,
         games_seed=args.games_seed,
@@ -82,19 +95,24 @@ def main(argv: list[str] | None = None) -> None:
     print(f"warm start done in {time.perf_counter() - started:.0f} s: {policy}")
     if args.eval_games:
         from experiments.evaluate import evaluate_policy
-        from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
         from orsd_jax.services import EnvSuite
 
-        root = default_games(run.difficulty, run.games_seed, run.train_games, run.eval_games)
-        tasks = load_split(root, "valid_seen", args.task_types)[: args.eval_games]
         eval_rollout = dataclasses.replace(rollout, temperature=args.eval_temperature)
-        suite = EnvSuite(
-            "alfworld",
-            functools.partial(AlfworldEnv, max_steps=rollout.max_steps),
-            build_prompt,
-            (),
-            {"valid_seen": tuple(tasks)},
-        )
+        if run.env == "alfworld":
+            from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
+
+            root = default_games(run.difficulty, run.games_seed, run.train_games, run.eval_games)
+            tasks = load_split(root, "valid_seen", args.task_types)[: args.eval_games]
+            make_env = functools.partial(AlfworldEnv, max_steps=max_steps)
+            split = "valid_seen"
+        else:
+            from orsd_jax.envs import webshop
+
+            goals = webshop.load_goals(run.data_dir, "test")
+            tasks = [t for t in goals if not args.task_types or t.task_type in args.task_types][: args.eval_games]
+            make_env = functools.partial(webshop.WebShopEnv, run.data_dir, max_steps=max_steps)
+            build_prompt, split = webshop.build_prompt, "test"
+        suite = EnvSuite(run.env, make_env, build_prompt, (), {split: tuple(tasks)})
         summary = evaluate_policy(policy, suite, tasks, eval_rollout, out, args.sampler, "warm start")
         info = json.loads((out / "warmstart.json").read_text())
         (out / "warmstart.json").write_text(json.dumps(info | {"eval": summary}, indent=2))

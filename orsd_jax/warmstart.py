@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -30,10 +31,11 @@ from flax import nnx
 from orsd_jax import chat
 from orsd_jax.batch import PAD, Batch, StepSample, build_batch, tree_attention_mask
 from orsd_jax.demos import Demonstration, alfworld_walkthrough, walkthrough_demos, write_jsonl
+from orsd_jax.envs.base import Task, TextEnv
 from orsd_jax.loss import response_logprobs
 from orsd_jax.metrics_log import console_logging
 from orsd_jax.models import CausalLM, cache_dir, load_model, save_hf
-from orsd_jax.rollout import RolloutConfig
+from orsd_jax.rollout import PromptBuilder, RolloutConfig
 from orsd_jax.rubrics import rubric_insert
 from orsd_jax.rubrics.oracle import alfworld_oracle
 from orsd_jax.train_step import OptimizerConfig, init_train_state, make_mesh, make_optimizer, make_train_step
@@ -196,34 +198,71 @@ class WarmStartRun:
     # prompt, where ORSD inserts a selected rubric, and without detours (the rubric's plan is
     # followed): a policy that has seen a rubric can learn to read one (docs/results/probe.md).
     rubric_games: int = 0
+    env: str = "alfworld"  # or "webshop": the oracle's purchases of train goals (``task_types``: categories)
+    data_dir: str | None = None  # WebShop's files (default: $WEBSHOP_DATA)
 
     def key(self) -> str:
         fields = dataclasses.asdict(self)
-        if not self.rubric_games:
-            del fields["rubric_games"]  # warm starts cached before the field existed keep their key
+        for name, default in _LATER_FIELDS.items():  # warm starts cached before they existed keep their key
+            if fields[name] == default:
+                del fields[name]
         text = json.dumps({"version": DEMO_VERSION, **fields}, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+# Fields added after DEMO_VERSION 4, with their defaults: they enter the cache key only when set.
+_LATER_FIELDS = {"rubric_games": 0, "env": "alfworld", "data_dir": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSource:
+    """Where demonstrations come from: the tasks, an env to replay them in, the expert's commands
+    per task, the RL prompt builder and each task's oracle rubric."""
+
+    tasks: Sequence[Task]
+    env: TextEnv
+    walkthrough: Callable[[Task], Sequence[str]]
+    build_prompt: PromptBuilder
+    oracle: Callable[[Task], tuple[str, ...]]
+
+
+def demo_source(run: WarmStartRun) -> DemoSource:
+    if run.env == "alfworld":
+        from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
+
+        root = default_games(run.difficulty, run.games_seed, run.train_games, run.eval_games)
+        tasks = load_split(root, "train", run.task_types)[: run.demo_games]
+        env = AlfworldEnv(max_steps=run.rollout.max_steps)
+        return DemoSource(tasks, env, alfworld_walkthrough, build_prompt, alfworld_oracle)
+    from orsd_jax.envs import webshop
+    from orsd_jax.rubrics.sources import oracle_for
+
+    goals = [
+        t for t in webshop.load_goals(run.data_dir, "train") if not run.task_types or t.task_type in run.task_types
+    ]
+    shop = webshop.WebShopEnv(run.data_dir, max_steps=run.rollout.max_steps)
+    # The goals the oracle wins (about 95%): a lost purchase is not a demonstration.
+    won = list(itertools.islice((t for t in goals if webshop.run_oracle(shop, t).won), run.demo_games))
+    walkthrough = lambda task: webshop.oracle_episode(shop, task)[0]  # noqa: E731
+    return DemoSource(won, shop, walkthrough, webshop.build_prompt, oracle_for("webshop", run.data_dir))
 
 
 def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[str], None] = print) -> pathlib.Path:
     """Demonstrations, fine-tuning and export: ``out_dir/policy`` (a Hugging Face directory),
     ``out_dir/demos.jsonl`` and ``out_dir/warmstart.json`` (settings, timings, loss curve)."""
-    from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
-
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     model, tokenizer = load_model(run.model, frozen_layers=run.frozen_layers)
     fmt = chat.chat_format(tokenizer)
-    root = default_games(run.difficulty, run.games_seed, run.train_games, run.eval_games)
-    tasks = load_split(root, "train", run.task_types)[: run.demo_games]
-    env = AlfworldEnv(max_steps=run.rollout.max_steps)
+    source = demo_source(run)
+    tasks, env = source.tasks, source.env
     demos = walkthrough_demos(
         env,
         tasks,
-        alfworld_walkthrough,
+        source.walkthrough,
         run.rollout,
-        build_prompt,
+        source.build_prompt,
         tokenizer=tokenizer,
         fmt=fmt,
         reasoning=run.reasoning,
@@ -234,16 +273,16 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
         plain = walkthrough_demos(
             env,
             tasks[: run.rubric_games],
-            alfworld_walkthrough,
+            source.walkthrough,
             run.rollout,
-            build_prompt,
+            source.build_prompt,
             tokenizer=tokenizer,
             fmt=fmt,
             reasoning=run.reasoning,
         )
         by_key = {t.key: t for t in tasks}
         demos += [
-            with_rubric(d, rubric_insert(alfworld_oracle(by_key[d.game])), tokenizer=tokenizer, fmt=fmt) for d in plain
+            with_rubric(d, rubric_insert(source.oracle(by_key[d.game])), tokenizer=tokenizer, fmt=fmt) for d in plain
         ]
     env.close()
     write_jsonl(demos, out / "demos.jsonl")

@@ -4,8 +4,7 @@ the route to the goal product as the expert's, on the real environment and data.
 import functools
 
 from experiments.credit_probe import _webshop_states
-from orsd_jax.envs.webshop import WebShopEnv, load_goals
-from orsd_jax.envs.webshop.oracle import OraclePolicy
+from orsd_jax.envs.webshop import WebShopEnv, load_goals, oracle_episode
 from orsd_jax.envs.webshop.pages import SEARCH_PLACEHOLDER
 from orsd_jax.rollout import Group, Step, Trajectory
 
@@ -15,19 +14,11 @@ def _group(task, actions):
     return Group(task, (Trajectory(task, steps, False, 0.0),))
 
 
-def _oracle_actions(env, task):
-    current, policy, actions = env.reset(task), OraclePolicy(env.goal), []
-    while not current.done:
-        actions.append(policy(current))
-        current = env.step(actions[-1])
-    return actions
-
-
 def test_webshop_states_take_the_route_to_the_goal(webshop_data):
     make_env = functools.partial(WebShopEnv, str(webshop_data))
     tasks = load_goals(webshop_data, "test")[:6]
     env = make_env()
-    oracle = [_oracle_actions(env, t) for t in tasks[:5]]
+    oracle = [oracle_episode(env, t)[0] for t in tasks[:5]]
     # A detour: the title search, another listed product, back, then the oracle's route.
     search = oracle[0][0]
     env.reset(tasks[0])

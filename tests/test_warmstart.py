@@ -25,7 +25,16 @@ from orsd_jax.rubrics import GroupRubric, ParsedBundle, Selection, rubric_insert
 from orsd_jax.rubrics.oracle import alfworld_oracle
 from orsd_jax.samples import step_samples
 from orsd_jax.sampling.jax_sampler import JaxSampler
-from orsd_jax.warmstart import SupervisedLoss, _pad_rows, demo_sample, frozen_states, shuffled_batches, with_rubric
+from orsd_jax.warmstart import (
+    SupervisedLoss,
+    WarmStartRun,
+    _pad_rows,
+    demo_sample,
+    demo_source,
+    frozen_states,
+    shuffled_batches,
+    with_rubric,
+)
 
 ROLLOUT = RolloutConfig(max_steps=4, max_prompt_tokens=1024, max_response_tokens=24, history_length=2)
 
@@ -75,6 +84,44 @@ def test_demonstration_prompts_are_the_rollout_prompts(setup):
         assert [d.prompt_ids for d in demos] == [tuple(r[1]) for r in records]
     finally:
         env.close()
+
+
+def test_webshop_demonstrations_are_the_rollout_prompts(setup, webshop_data):
+    """WebShop as ALFWorld above: a real rollout's prompts rebuilt byte for byte by the recorder, and
+    the oracle's demonstrations are the rollout prompts after the oracle's first k commands."""
+    from orsd_jax.envs import webshop
+
+    tokenizer, fmt, model, _ = setup
+    rollout = dataclasses.replace(ROLLOUT, max_steps=6)
+    make_env = functools.partial(webshop.WebShopEnv, str(webshop_data), max_steps=rollout.max_steps)
+    source = demo_source(WarmStartRun(env="webshop", data_dir=str(webshop_data), demo_games=2, rollout=rollout))
+    assert len(source.tasks) == 2 and all(t.env == "webshop" for t in source.tasks)
+    task = source.tasks[0]
+    sampler = JaxSampler(model, tokenizer, max_model_len=1100, seed=0)
+    with EnvPool(make_env, 2, n_workers=1) as pool:
+        (group,), _ = collect_groups(
+            sampler, pool, [task], 2, rollout, seed=3, tokenizer=tokenizer, fmt=fmt, build_prompt=webshop.build_prompt
+        )
+    shop = make_env()
+    for traj in group.trajectories:
+        played = [s.action or "" for s in traj.steps]
+        records = record_episode(shop, task, played, rollout, webshop.build_prompt, tokenizer=tokenizer, fmt=fmt)
+        assert [tuple(r[1]) for r in records] == [s.prompt_ids for s in traj.steps]
+    demos = walkthrough_demos(
+        source.env,
+        [task],
+        source.walkthrough,
+        rollout,
+        source.build_prompt,
+        tokenizer=tokenizer,
+        fmt=fmt,
+        reasoning=False,
+    )
+    commands = webshop.oracle_episode(shop, task)[0]
+    records = record_episode(shop, task, commands, rollout, webshop.build_prompt, tokenizer=tokenizer, fmt=fmt)
+    assert [d.prompt_ids for d in demos] == [tuple(r[1]) for r in records] and len(demos) == len(commands) >= 3
+    assert [d.answer for d in demos] == [f"<think></think><action>{c}</action>" for c in commands]
+    assert commands[0].startswith("search[") and commands[-1] == "click[buy now]"
 
 
 def test_rubric_demonstrations_are_the_with_rubric_replay_prompts(setup):

@@ -3,7 +3,7 @@
 from orsd_jax.envs.webshop.data import DATA_ENV_VAR, Catalog, Product, WebShopDataError, load_catalog
 from orsd_jax.envs.webshop.env import WebShopEnv, parse_command
 from orsd_jax.envs.webshop.goals import Goal, GoalSet, make_goal_set
-from orsd_jax.envs.webshop.oracle import OraclePolicy, run_oracle
+from orsd_jax.envs.webshop.oracle import OraclePolicy, oracle_episode, run_oracle
 from orsd_jax.envs.webshop.pages import Page
 from orsd_jax.envs.webshop.prompts import build_prompt, format_observation
 from orsd_jax.envs.webshop.reward import RewardBreakdown, get_reward
@@ -33,5 +33,6 @@ __all__ = [
     "load_world",
     "make_goal_set",
     "parse_command",
+    "oracle_episode",
     "run_oracle",
 ]

@@ -40,10 +40,17 @@ class OraclePolicy:
         return ""  # lost: wait for the step limit
 
 
-def run_oracle(env: WebShopEnv, task: Task) -> EnvStep:
-    """Plays one episode with the oracle; returns the last step."""
-    step = env.reset(task)
+def oracle_episode(env: WebShopEnv, task: Task) -> tuple[list[str], EnvStep]:
+    """Plays one episode of ``task`` with the oracle: its commands and the last step. The env is
+    deterministic, so replaying the commands (a demonstration's walkthrough) gives the same pages."""
+    step, actions = env.reset(task), []
     policy = OraclePolicy(env.goal)
     while not step.done:
-        step = env.step(policy(step))
-    return step
+        actions.append(policy(step))
+        step = env.step(actions[-1])
+    return actions, step
+
+
+def run_oracle(env: WebShopEnv, task: Task) -> EnvStep:
+    """Plays one episode with the oracle; returns the last step."""
+    return oracle_episode(env, task)[1]
