@@ -9,6 +9,7 @@ Hugging Face directory that the RL presets start from.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -257,32 +258,22 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
     fmt = chat.chat_format(tokenizer)
     source = demo_source(run)
     tasks, env = source.tasks, source.env
-    demos = walkthrough_demos(
+    record = functools.partial(
+        walkthrough_demos,
         env,
-        tasks,
-        source.walkthrough,
-        run.rollout,
-        source.build_prompt,
+        walkthrough=source.walkthrough,
+        config=run.rollout,
+        build_prompt=source.build_prompt,
         tokenizer=tokenizer,
         fmt=fmt,
         reasoning=run.reasoning,
-        max_detours=run.max_detours,
-        seed=run.games_seed,
     )
+    demos = record(tasks, max_detours=run.max_detours, seed=run.games_seed)
     if run.rubric_games:
-        plain = walkthrough_demos(
-            env,
-            tasks[: run.rubric_games],
-            source.walkthrough,
-            run.rollout,
-            source.build_prompt,
-            tokenizer=tokenizer,
-            fmt=fmt,
-            reasoning=run.reasoning,
-        )
         by_key = {t.key: t for t in tasks}
         demos += [
-            with_rubric(d, rubric_insert(source.oracle(by_key[d.game])), tokenizer=tokenizer, fmt=fmt) for d in plain
+            with_rubric(d, rubric_insert(source.oracle(by_key[d.game])), tokenizer=tokenizer, fmt=fmt)
+            for d in record(tasks[: run.rubric_games])
         ]
     env.close()
     write_jsonl(demos, out / "demos.jsonl")
