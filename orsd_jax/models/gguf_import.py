@@ -54,7 +54,8 @@ def _hf_name(gguf_name: str) -> str:
 def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> pathlib.Path:
     """Writes ``out_dir`` (config, f32 safetensors, tokenizer) from a Llama or Qwen3 GGUF file.
 
-    Written to a temporary sibling and renamed into place, so a crash leaves no half directory.
+    Written to a temporary sibling and renamed into place, so a crash leaves no half directory; when
+    another process renamed its copy first, that one is kept.
     """
     import gguf
     from safetensors.numpy import save_file
@@ -108,9 +109,11 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> pat
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        try:
+            tmp.rename(out_dir)
+        except OSError:  # another process (a test worker) imported it first: keep its directory
+            if not (out_dir / "model.safetensors").is_file():
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
