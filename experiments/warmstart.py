@@ -52,6 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frozen-layers", type=int, default=0, help="train only the layers above this many")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="split each optimizer step's rows into this many passes (WebShop's 2000-token prompts: 8; one "
+        "pass of 16 rows asked for 45 GB)",
+    )
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--max-steps", type=int, help="episode step limit (default: ALFWorld 50, WebShop 15)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048)
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         train=FinetuneConfig(
             epochs=args.epochs,
             batch_size=args.batch_size,
+            micro_batches=args.micro_batches,
             optimizer=OptimizerConfig(learning_rate=args.lr, weight_decay=0.0),
         ),
     )
