@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--micro-batches",
         type=int,
         default=1,
-        help="split each optimizer step's rows into this many passes (WebShop's 2000-token prompts: 8; one "
-        "pass of 16 rows asked for 45 GB)",
+        help="split each optimizer step's rows into this many passes (one pass of 16 WebShop demonstrations "
+        "of up to 2059 tokens asked for 45 GB)",
     )
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--max-steps", type=int, help="episode step limit (default: ALFWorld 50, WebShop 15)")
