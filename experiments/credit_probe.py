@@ -24,6 +24,7 @@ import csv
 import dataclasses
 import functools
 import json
+import os
 import pathlib
 import pickle
 import time
@@ -334,8 +335,21 @@ def main(argv: list[str] | None = None) -> None:
     print((out / "probe.md").read_text())
 
 
+def game_names(keys) -> dict[str, str]:
+    """Task keys as the records name them: ALFWorld's game files relative to their common
+    directory (a key is a path on this machine), WebShop's goal indices as they are."""
+    keys = sorted(set(keys))
+    if not all(pathlib.Path(k).is_absolute() for k in keys):
+        return {k: k for k in keys}
+    root = pathlib.Path(os.path.commonpath(keys))
+    root = root.parent if root in {pathlib.Path(k) for k in keys} else root
+    return {k: str(pathlib.Path(k).relative_to(root)) for k in keys}
+
+
 def _write(out, args, policy, steps, states, sources, summary, stage, timings, groups):
     from orsd_jax.probe import ACTION, FORMAT, summarise
+
+    names = game_names([s.game for s in steps] + [st.game for st in states])
 
     with open(out / "probe.csv", "w", newline="") as f:
         writer = csv.writer(f)
@@ -362,7 +376,7 @@ def _write(out, args, policy, steps, states, sources, summary, stage, timings, g
                 action, fmt_ = gap[s.classes == ACTION], gap[s.classes == FORMAT]
                 writer.writerow(
                     [
-                        s.game,
+                        names[s.game],
                         s.task_type,
                         s.trajectory,
                         s.step,
@@ -384,7 +398,7 @@ def _write(out, args, policy, steps, states, sources, summary, stage, timings, g
         for st in states:
             for i, a in enumerate(st.actions):
                 extra = [f"{st.with_rubric[s][i]:.6f}" if s in st.with_rubric else "" for s in sources]
-                writer.writerow([st.game, a, int(st.expert[i]), f"{st.without[i]:.6f}", *extra])
+                writer.writerow([names[st.game], a, int(st.expert[i]), f"{st.without[i]:.6f}", *extra])
     by_type = {}
     for t in sorted({s.task_type for s in steps}):
         by_type[t] = summarise(

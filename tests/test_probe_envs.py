@@ -3,7 +3,7 @@ the route to the goal product as the expert's, on the real environment and data.
 
 import functools
 
-from experiments.credit_probe import _webshop_states
+from experiments.credit_probe import _webshop_states, game_names
 from orsd_jax.envs.webshop import WebShopEnv, load_goals, oracle_episode
 from orsd_jax.envs.webshop.pages import SEARCH_PLACEHOLDER
 from orsd_jax.rollout import Group, Step, Trajectory
@@ -40,3 +40,16 @@ def test_webshop_states_take_the_route_to_the_goal(webshop_data):
     actions, expert = by_step[(5, 2)]  # on the wrong product's page: back to the results
     assert expert == "click[< prev]" and wrong not in actions
     assert by_step[(5, 3)][1] == oracle[0][1]  # back on the results: the goal product
+
+
+def test_records_name_games_without_this_machines_paths():
+    keys = [
+        "/data/games/valid_seen/look-1/trial_0/game.tw-pddl",
+        "/data/games/valid_unseen/pick-2/trial_3/game.tw-pddl",
+    ]
+    assert game_names(keys) == {
+        keys[0]: "valid_seen/look-1/trial_0/game.tw-pddl",
+        keys[1]: "valid_unseen/pick-2/trial_3/game.tw-pddl",
+    }
+    assert game_names([keys[0]]) == {keys[0]: "game.tw-pddl"}  # one game: its file name
+    assert game_names(["17", "4"]) == {"17": "17", "4": "4"}  # WebShop goal indices
