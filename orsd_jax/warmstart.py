@@ -242,10 +242,18 @@ def demo_source(run: WarmStartRun) -> DemoSource:
         t for t in webshop.load_goals(run.data_dir, "train") if not run.task_types or t.task_type in run.task_types
     ]
     shop = webshop.WebShopEnv(run.data_dir, max_steps=run.rollout.max_steps)
-    # The goals the oracle wins (about 95%): a lost purchase is not a demonstration.
-    won = list(itertools.islice((t for t in goals if webshop.run_oracle(shop, t).won), run.demo_games))
-    walkthrough = lambda task: webshop.oracle_episode(shop, task)[0]  # noqa: E731
-    return DemoSource(won, shop, walkthrough, webshop.build_prompt, oracle_for("webshop", run.data_dir))
+    # The goals the oracle wins (about 95%): a lost purchase is not a demonstration. Each goal is
+    # played once; its commands are the walkthrough the recorder replays.
+    episodes = ((t, *webshop.oracle_episode(shop, t)) for t in goals)
+    won = list(itertools.islice(((t, commands) for t, commands, last in episodes if last.won), run.demo_games))
+    commands = {t.key: c for t, c in won}
+    return DemoSource(
+        [t for t, _ in won],
+        shop,
+        lambda task: commands[task.key],
+        webshop.build_prompt,
+        oracle_for("webshop", run.data_dir),
+    )
 
 
 def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[str], None] = print) -> pathlib.Path:
@@ -270,10 +278,9 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
     )
     demos = record(tasks, max_detours=run.max_detours, seed=run.games_seed)
     if run.rubric_games:
-        by_key = {t.key: t for t in tasks}
+        inserts = {t.key: rubric_insert(source.oracle(t)) for t in tasks[: run.rubric_games]}
         demos += [
-            with_rubric(d, rubric_insert(source.oracle(by_key[d.game])), tokenizer=tokenizer, fmt=fmt)
-            for d in record(tasks[: run.rubric_games])
+            with_rubric(d, inserts[d.game], tokenizer=tokenizer, fmt=fmt) for d in record(tasks[: run.rubric_games])
         ]
     env.close()
     write_jsonl(demos, out / "demos.jsonl")
