@@ -125,7 +125,9 @@ def _policy_rubrics(args, sampler, tokenizer, fmt, groups, advantage):
     bundles = generate_bundles(sampler, groups, config, args.seed, tokenizer=tokenizer, fmt=fmt)
     server = sampler.server  # the same frozen weights: the policy is not trained here
     verifier = OpenAIVerifier(
-        EndpointConfig(base_url=f"{server.url}/v1", model=server.served_model_name, mode="logprob")
+        EndpointConfig(
+            base_url=f"{server.url}/v1", model=server.served_model_name, unix_socket=server.unix_socket, mode="logprob"
+        )
     )
     rng = np.random.default_rng(args.seed)
     chosen = [

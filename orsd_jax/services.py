@@ -144,7 +144,12 @@ def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out:
     options = ServerOptions(served_model_name="verifier", max_model_len=4096, seed=config.seed, dev_mode=False)
     server = VLLMServer(directory, options, log_path=out / "logs" / "verifier.log")
     endpoint = EndpointConfig(
-        base_url=f"{server.url}/v1", model="verifier", mode=v.mode, concurrency=8, cache_dir=cache
+        base_url=f"{server.url}/v1",
+        model="verifier",
+        unix_socket=server.unix_socket,
+        mode=v.mode,
+        concurrency=8,
+        cache_dir=cache,
     )
     return OpenAIVerifier(endpoint, tokenizer=tokenizer), server  # the served model's own tokenizer
 

@@ -95,6 +95,7 @@ def test_groups_bundles_satisfaction_and_selection(server, tmp_path):
         EndpointConfig(
             base_url=f"{server.url}/v1",
             model="policy",
+            unix_socket=server.unix_socket,
             mode="logprob",
             concurrency=8,
             cache_dir=str(tmp_path / "cache"),

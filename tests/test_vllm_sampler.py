@@ -7,9 +7,11 @@ test starts its own in a child process.
 
 import contextlib
 import dataclasses
+import grp
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 import psutil
 import pytest
-import requests
 import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
@@ -124,7 +125,8 @@ def our_logprobs(model, prompts, completions) -> list[np.ndarray]:
 
 
 def completions_posted(server: VLLMServer) -> float:
-    metrics = requests.get(f"{server.url}/metrics", timeout=10).text
+    with server.http() as http:
+        metrics = http.get("/metrics").text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()
@@ -179,12 +181,63 @@ def test_the_model_runs_on_every_core(sampler):
     assert f"core ids={sorted(os.sched_getaffinity(0))}" in sampler.server.log_path.read_text()
 
 
-def test_every_listening_socket_is_on_loopback(sampler):
-    """The API server, engine core and worker listen only on 127.0.0.1 (or on Unix sockets):
-    nothing the server offers, weight reloads included, is reachable from another host."""
-    tree = [psutil.Process(sampler.server.pid), *psutil.Process(sampler.server.pid).children(recursive=True)]
-    listening = [c for p in tree for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
-    assert listening and all(c.laddr.ip in ("127.0.0.1", "::1") for c in listening), listening
+REACH = textwrap.dedent(
+    """
+    import socket, sys
+    try:
+        socket.socket(socket.AF_UNIX).connect(sys.argv[1])
+    except OSError as err:
+        print(type(err).__name__)
+    else:
+        print("connected")
+    """
+)
+
+
+def test_only_this_user_reaches_the_server(sampler):
+    """The API server listens on no TCP port, only on a Unix socket in a 0700 directory: another
+    user of the host (here ``nobody``) cannot reach its weight-reload RPC or anything else it
+    serves, and nothing of it is reachable from another host. Whatever else of vLLM's listens
+    (engine core, worker) is on loopback."""
+    server = sampler.server
+    api, *rest = server_tree(server)
+    assert not [c for c in api.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    inet = [c for p in rest for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert all(c.laddr.ip in ("127.0.0.1", "::1") for c in inet), inet
+    directory = pathlib.Path(server.unix_socket).parent
+    assert directory.stat().st_mode & 0o777 == 0o700 and directory.stat().st_uid == os.geteuid()
+    if os.geteuid() != 0:
+        pytest.skip("acting as another user needs root (CI runs as root)")
+    # The system's Python: the virtual environment's interpreter may sit under a home only we can read.
+    command = [shutil.which("python3", path="/usr/bin:/bin"), "-c", REACH, server.unix_socket]
+
+    def reach(**user) -> str:
+        return subprocess.run(command, capture_output=True, text=True, check=True, **user).stdout.strip()
+
+    assert reach(user="nobody", group=grp.getgrgid(65534).gr_name) == "PermissionError"
+    assert reach() == "connected"  # the same client, as the owner, gets through
+
+
+ENGINE = "VLLM::EngineCore"
+
+
+def test_a_stopped_engine_is_a_server_error_within_the_request_timeout(sampler, prompts):
+    """SIGSTOP of the engine core: the API server still answers /health but no request completes;
+    the sampler raises ServerError after its request timeout instead of waiting forever."""
+    ids, stops = prompts
+    [engine] = [p for p in server_tree(sampler.server) if ENGINE in describe([p])]
+    impatient = VLLMSampler(sampler.server, sampler.tokenizer, request_timeout_s=5)
+    engine.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServerError, match=r"up but failed a request: /v1/completions: no answer within 5 s"):
+            impatient.generate(ids[:1], greedy(stops))
+        assert time.monotonic() - started < 5 + 10  # the timeout, then one /health
+    finally:
+        engine.send_signal(signal.SIGCONT)
+        impatient.close()
+    [done] = sampler.generate(ids[:1], greedy(stops))  # continued, the engine serves again
+    assert done.finish_reason == "length"
 
 
 def test_special_token_strings_in_text_stay_text(sampler, embedded):
@@ -202,15 +255,15 @@ def test_special_token_strings_in_text_stay_text(sampler, embedded):
     assert chat.decode(tokenizer, chat.encode(tokenizer, injected)) == injected
 
     def served(content):  # the server's own tokenization of a chat turn, as a remote verifier's
-        reply = requests.post(
-            f"{sampler.server.url}/tokenize",
-            json={
-                "model": sampler.server.served_model_name,
-                "messages": [{"role": "user", "content": content}],
-                "add_generation_prompt": True,
-            },
-            timeout=30,
-        )
+        with sampler.server.http(timeout_s=30) as http:
+            reply = http.post(
+                "/tokenize",
+                json={
+                    "model": sampler.server.served_model_name,
+                    "messages": [{"role": "user", "content": content}],
+                    "add_generation_prompt": True,
+                },
+            )
         reply.raise_for_status()
         return reply.json()["tokens"]
 
@@ -350,14 +403,31 @@ def wait_gone(processes: list[psutil.Process], deadline_s: float) -> list[psutil
 
 
 def test_killed_server_restarts_with_latest_weights_and_close_leaves_nothing(sampler, embedded, prompts):
-    """Runs last among the tests on the shared server: it kills that server."""
+    """Runs last among the tests on the shared server: it kills that server twice, during a weight
+    push and during generation."""
     model, _ = embedded
     ids, stops = prompts
     params = greedy(stops, max_new_tokens=48)
     original = sampler.generate(ids, params)
-    sampler.push_weights(perturbed(model, 5), version=10)
+    # Kill the whole tree once the new weights are on disk, as the reload is asked for.
+    noisy, written = perturbed(model, 5), sampler.scratch_dir / "weights-v10"
+
+    def kill_when_written():
+        while not written.exists():
+            time.sleep(0.005)
+        os.killpg(sampler.server.pid, signal.SIGKILL)
+
+    old_tree = server_tree(sampler.server)
+    killer = threading.Thread(target=kill_when_written)
+    killer.start()
+    sampler.push_weights(noisy, version=10)
+    killer.join()
+    assert not wait_gone(old_tree, 30) and sampler.server.pid != old_tree[0].pid
     expected = sampler.generate(ids, params)
+    assert all(c.weight_version == 10 for c in expected)
     assert [c.token_ids for c in expected] != [c.token_ids for c in original]
+    for completion, ours in zip(expected, our_logprobs(noisy, ids, expected)):
+        np.testing.assert_allclose(completion.logprobs, ours, atol=1e-3)
     old_tree = server_tree(sampler.server)
     # Kill the API server while a batch is being generated.
     killer = threading.Timer(1.0, os.kill, (sampler.server.pid, signal.SIGKILL))

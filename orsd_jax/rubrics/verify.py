@@ -92,6 +92,9 @@ class EndpointConfig:
 
     base_url: str
     model: str
+    # A server on a Unix socket (an owned ``VLLMServer``'s ``unix_socket``; base_url then
+    # http://localhost/v1): requests go through the socket.
+    unix_socket: str | None = None
     api_key_env: str = "OPENAI_API_KEY"  # read at construction; a local server needs none
     mode: str = "binary"  # "binary" | "logprob"
     concurrency: int = 8
@@ -252,8 +255,8 @@ class _DeadlineTransport(httpx2.HTTPTransport):
     a request (and a worker) for as long as it liked; the deadline is checked as each chunk of the
     body arrives, so an attempt ends within about ``deadline_s`` plus one read timeout."""
 
-    def __init__(self, deadline_s: float):
-        super().__init__()
+    def __init__(self, deadline_s: float, uds: str | None = None):
+        super().__init__(uds=uds)
         self._deadline_s = deadline_s
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
@@ -343,7 +346,7 @@ class OpenAIVerifier:
             api_key=api_key or "EMPTY",
             timeout=config.timeout_s,
             max_retries=0,
-            http_client=openai.DefaultHttpxClient(transport=_DeadlineTransport(config.timeout_s)),
+            http_client=openai.DefaultHttpxClient(transport=_DeadlineTransport(config.timeout_s, config.unix_socket)),
         )
         self._cache = pathlib.Path(config.cache_dir) if config.cache_dir else None
         if self._cache:

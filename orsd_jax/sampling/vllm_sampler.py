@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 
-import requests
+import httpx2
 
 from orsd_jax.models import ModelConfig, save_hf
 from orsd_jax.sampling.base import Completion, SamplingError, SamplingParams, validate_prompts
@@ -82,8 +82,7 @@ class VLLMSampler:
         self.weight_version = 0
         self._initial_dir = self.server.model_dir
         self._latest_dir: pathlib.Path | None = None  # the latest pushed weights
-        self._http = requests.Session()
-        self._http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=max_concurrency))
+        self._http = self.server.http(timeout_s=request_timeout_s, max_connections=max_concurrency)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-request")
 
     # Generation.
@@ -200,9 +199,11 @@ class VLLMSampler:
 
     def _post(self, path: str, body: dict | None) -> dict:
         try:
-            response = self._http.post(f"{self.server.url}{path}", json=body, timeout=self.request_timeout_s)
-        except requests.RequestException as err:
-            raise _ServerDown(f"{path}: {err}") from err
+            response = self._http.post(path, json=body)
+        except httpx2.TimeoutException as err:
+            raise _ServerDown(f"{path}: no answer within {self.request_timeout_s:g} s ({err})") from err
+        except httpx2.TransportError as err:  # refused, reset: no answer
+            raise _ServerDown(f"{path}: {type(err).__name__}: {err}") from err
         if response.status_code >= 500:
             raise _ServerDown(f"{path} answered {response.status_code}: {response.text[:1000]}")
         if response.status_code != 200:

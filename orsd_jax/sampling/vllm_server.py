@@ -1,11 +1,17 @@
 """An OpenAI-compatible vLLM server process, owned by this Python process (or attached to by URL).
 
+An owned server listens on a Unix socket in a directory only this user can enter (mode 0700), not
+on a TCP port: its weight-reload RPC (dev mode's ``/collective_rpc``, which loads weights from any
+path the caller names) and everything else it serves are out of reach of other users of the
+host (``tests/test_vllm_sampler.py::test_only_this_user_reaches_the_server``). vLLM's
+``--api-key`` would not do: it guards ``/v1`` only.
+
 The server runs in a session of its own, so its whole tree (API server, engine core, worker,
 multiprocessing helpers) is one process group that ``close()`` signals at once. A watchdog
 process kills that group if the owner dies without running ``close()`` or ``atexit`` (SIGKILL).
 
-Used by the policy sampler (``VLLMSampler``) and by a verifier holding a frozen model, through
-``server.client()`` (an ``openai.OpenAI`` client).
+Used by the policy sampler (``VLLMSampler``) and by a verifier holding a frozen model
+(``OpenAIVerifier`` with ``EndpointConfig(unix_socket=server.unix_socket)``).
 """
 
 from __future__ import annotations
@@ -15,18 +21,19 @@ import dataclasses
 import importlib.metadata
 import os
 import pathlib
-import socket
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Mapping
 
-import requests
+import httpx2
 
 from orsd_jax.sampling import watchdog
 
-HOST = "127.0.0.1"
+# The Host header and URL of a server on a Unix socket (the socket's path is the address).
+SOCKET_URL = "http://localhost"
 # Gives the worker ``reload_weights_and_tied_head`` (see vllm_worker_ext.py), for weight pushes.
 WORKER_EXTENSION = "orsd_jax.sampling.vllm_worker_ext.WeightReload"
 
@@ -66,25 +73,21 @@ def _cpu_build() -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _models(url: str) -> dict:
+def _models(http: httpx2.Client) -> dict:
     """The first entry of ``/v1/models``: served name, max_model_len, root (the model path)."""
-    response = requests.get(f"{url}/v1/models", timeout=10)
+    response = http.get("/v1/models")
     response.raise_for_status()
     return response.json()["data"][0]
 
 
 class VLLMServer:
-    """A vLLM server process on 127.0.0.1 and a free port; ``attach(url)`` owns nothing.
+    """A vLLM server process on a Unix socket of its own; ``attach(url)`` owns nothing.
 
-    Attributes: ``url`` (``http://host:port``), ``model_dir`` (the weights it was started
-    with; None for an attached server whose model is not a local directory),
-    ``served_model_name``, ``max_model_len``, ``log_path``, ``owned``.
+    Attributes: ``url`` (``http://localhost`` for an owned server, ``http://host:port`` for an
+    attached one), ``unix_socket`` (the owned server's socket path, else None), ``model_dir``
+    (the weights it was started with; None for an attached server whose model is not a local
+    directory), ``served_model_name``, ``max_model_len``, ``log_path``, ``owned``. ``http()``
+    gives a client that reaches it either way.
     """
 
     def __init__(
@@ -102,7 +105,9 @@ class VLLMServer:
             log_path or pathlib.Path(tempfile.mkdtemp(prefix="orsd_vllm_")) / "server.log"
         )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.url = f"http://{HOST}:{_free_port()}"
+        self.url = SOCKET_URL
+        self._socket_dir: pathlib.Path | None = pathlib.Path(tempfile.mkdtemp(prefix="orsd_vllm_sock_"))  # 0700
+        self.unix_socket: str | None = str(self._socket_dir / "api.sock")
         self.model_dir: pathlib.Path | None = None
         self._proc: subprocess.Popen | None = None
         self._watchdog: subprocess.Popen | None = None
@@ -119,10 +124,12 @@ class VLLMServer:
         self = cls.__new__(cls)
         self.options, self.owned, self.log_path = None, False, None
         self.url = url.rstrip("/").removesuffix("/v1")
+        self._socket_dir = self.unix_socket = None
         self._proc = self._watchdog = None
         try:
-            info = _models(self.url)
-        except requests.RequestException as err:
+            with self.http(timeout_s=10) as http:
+                info = _models(http)
+        except httpx2.HTTPError as err:
             raise ServerError(f"no vLLM server answers at {self.url}: {err}") from err
         self.served_model_name, self.max_model_len = info["id"], int(info["max_model_len"])
         root = pathlib.Path(info.get("root") or "")
@@ -134,12 +141,18 @@ class VLLMServer:
         """The API server's pid, which is also the process group id of the whole tree."""
         return self._proc.pid if self._proc else None
 
+    def http(self, *, timeout_s: float = 10.0, max_connections: int = 8) -> httpx2.Client:
+        """An HTTP client for this server (over its Unix socket when it has one); close it after use."""
+        transport = httpx2.HTTPTransport(uds=self.unix_socket, limits=httpx2.Limits(max_connections=max_connections))
+        return httpx2.Client(base_url=self.url, transport=transport, timeout=timeout_s)
+
     def alive(self) -> bool:
         if self._proc is not None and self._proc.poll() is not None:
             return False
         try:
-            return requests.get(f"{self.url}/health", timeout=10).status_code == 200
-        except requests.RequestException:
+            with self.http(timeout_s=10) as http:
+                return http.get("/health").status_code == 200
+        except httpx2.HTTPError:
             return False
 
     def restart(self, model_dir: str | os.PathLike | None = None) -> None:
@@ -156,16 +169,12 @@ class VLLMServer:
             return "(no log)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def client(self, **kwargs):
-        """An ``openai.OpenAI`` client for this server (``model=server.served_model_name``)."""
-        import openai
-
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="EMPTY", **kwargs)
-
     def close(self) -> None:
         """Stops the whole process tree (owned servers only); safe to call twice."""
         if self.owned:
             self._stop()
+            if self._socket_dir is not None:
+                shutil.rmtree(self._socket_dir, ignore_errors=True)
             atexit.unregister(self.close)
 
     def __enter__(self) -> VLLMServer:
@@ -176,18 +185,15 @@ class VLLMServer:
 
     def _command(self, model_dir: pathlib.Path) -> list[str]:
         o = self.options
-        assert o is not None  # only owned servers launch
-        port = self.url.rsplit(":", 1)[1]
+        assert o is not None and self.unix_socket is not None  # only owned servers launch
         args = [
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
             str(model_dir),
-            "--host",
-            HOST,
-            "--port",
-            port,
+            "--uds",
+            self.unix_socket,
             "--served-model-name",
             o.served_model_name,
             "--max-model-len",
@@ -220,7 +226,9 @@ class VLLMServer:
 
     def _launch(self, model_dir: str | os.PathLike) -> None:
         o = self.options
-        assert o is not None and self.log_path is not None  # only owned servers launch
+        assert o is not None and self.log_path is not None and self.unix_socket is not None  # owned servers only
+        # A killed server leaves its socket file, and binding to an existing path fails.
+        pathlib.Path(self.unix_socket).unlink(missing_ok=True)
         model_dir = pathlib.Path(model_dir).resolve()  # vLLM resolves a relative one against its cwd
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(o.cpu_kv_cache_gib), **o.env}
         if _cpu_build():
@@ -233,7 +241,7 @@ class VLLMServer:
         if o.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         with open(self.log_path, "ab") as log:
-            log.write(f"\n==== orsd_jax: starting vLLM on {self.url} with {model_dir}\n".encode())
+            log.write(f"\n==== orsd_jax: starting vLLM on {self.unix_socket} with {model_dir}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
                 self._command(model_dir),
@@ -243,8 +251,9 @@ class VLLMServer:
                 env=env,
                 start_new_session=True,
             )
+        watched = (os.getpid(), self._proc.pid, o.shutdown_grace_s, self._socket_dir)
         self._watchdog = subprocess.Popen(
-            [sys.executable, watchdog.__file__, str(os.getpid()), str(self._proc.pid), str(o.shutdown_grace_s)],
+            [sys.executable, watchdog.__file__, *map(str, watched)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             start_new_session=True,
@@ -269,7 +278,8 @@ class VLLMServer:
                     f"the end of {self.log_path}:\n{self.log_tail()}"
                 )
             time.sleep(0.5)
-        info = _models(self.url)
+        with self.http(timeout_s=10) as http:
+            info = _models(http)
         self.max_model_len = int(info["max_model_len"])
 
     def _stop(self) -> None:
