@@ -7,6 +7,7 @@ import functools
 import re
 
 import numpy as np
+import psutil
 import pytest
 import scipy.stats
 from transformers import AutoTokenizer
@@ -50,7 +51,8 @@ HAND = ParsedBundle(
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    server = VLLMServer(resolve(EMBEDDED), ServerOptions(max_model_len=4096), log_path=log)
+    # Without dev mode, as the trainer's verifier server runs (this test pushes no weights).
+    server = VLLMServer(resolve(EMBEDDED), ServerOptions(max_model_len=4096, dev_mode=False), log_path=log)
     yield server
     server.close()
 
@@ -118,4 +120,7 @@ def test_groups_bundles_satisfaction_and_selection(server, tmp_path):
             chosen = result.selection.correlations[result.selection.index]
             assert chosen == np.nanmax(result.selection.correlations)
     assert verifier.stats.failures == 0 and verifier.stats.calls > 0
+    # The verifier's server, like the sampler's (tests/test_vllm_sampler.py), listens on no TCP port.
+    api = psutil.Process(server.pid)
+    assert not [c for c in api.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     sampler.close()

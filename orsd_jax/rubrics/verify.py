@@ -39,6 +39,7 @@ miss. Failures are never cached, and an unwritable cache only logs a warning.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -403,11 +404,15 @@ class OpenAIVerifier:
         unwritable cache is warned about once and otherwise ignored."""
         if path is None:
             return
-        tmp = path.with_suffix(f".tmp{threading.get_ident()}")
+        # A name of this process and thread: writers of one entry never share a partial file
+        # (thread ids repeat across processes).
+        tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
         try:
             tmp.write_text(json.dumps(raw))
             tmp.replace(path)
         except OSError as error:
+            with contextlib.suppress(OSError):  # a cache that is a file holds no partial file either
+                tmp.unlink()
             with self._lock:
                 warn, self._cache_warned = not self._cache_warned, True
             if warn:

@@ -15,6 +15,7 @@ import dataclasses
 import http.server
 import json
 import logging
+import multiprocessing
 import re
 import shutil
 import socket
@@ -528,6 +529,36 @@ def test_corrupt_cache_entries_are_misses(serve, tmp_path, content):
     assert healed.stats.cache_hits == 1 and healed.stats.calls == 0
 
 
+def _score_into(url: str, cache_dir: str, n: int) -> int:
+    """One verifier process's work for the test below: scores ``n`` trajectories, returns its calls."""
+    verifier = OpenAIVerifier(EndpointConfig(base_url=url, model="judge", concurrency=8, cache_dir=cache_dir))
+    np.testing.assert_array_equal(verifier.score(TASK.description, _trajectories(n), CRITERIA), np.ones((n, 3)))
+    return verifier.stats.calls
+
+
+def test_two_processes_writing_one_cache_leave_only_parseable_entries(serve, tmp_path):
+    """Two verifier processes score the same trajectories into one cache directory at once: the
+    server holds each answer until both processes have asked for it, so the two writes of every
+    entry overlap. Every entry left is whole, and no partial file remains."""
+    n, arrived, both = 16, {}, threading.Condition()
+
+    def in_pairs(body: dict) -> Action:
+        with both:
+            arrived[prompt_of(body)] = arrived.get(prompt_of(body), 0) + 1
+            both.notify_all()
+            both.wait_for(lambda: arrived[prompt_of(body)] >= 2, timeout=20)
+        return ("answer", YES)
+
+    server = serve(in_pairs)
+    cache = tmp_path / "cache"
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        calls = pool.starmap(_score_into, [(server.url, str(cache), n)] * 2)
+    assert calls == [n, n] and sorted(arrived.values()) == [2] * n  # both asked for every entry
+    entries = sorted(cache.iterdir())
+    assert len(entries) == n and all(e.suffix == ".json" for e in entries), entries
+    assert all(json.loads(e.read_text()) == YES for e in entries)
+
+
 @pytest.mark.parametrize("how", ["file-size-limit", "not-a-directory"])
 def test_unwritable_cache_does_not_stop_scoring(serve, tmp_path, caplog, how):
     """A cache that cannot be written: every write fails as on a full disk (RLIMIT_FSIZE 0, with
@@ -554,7 +585,7 @@ def test_unwritable_cache_does_not_stop_scoring(serve, tmp_path, caplog, how):
             resource.setrlimit(resource.RLIMIT_FSIZE, limit)
             signal.signal(signal.SIGXFSZ, previous)
     if how == "file-size-limit":
-        assert all(path.stat().st_size == 0 for path in cache.rglob("*") if path.is_file())  # nothing readable kept
+        assert not list(cache.iterdir())  # nothing kept, not even the partial files
     assert verifier.stats.calls == 5 and verifier.stats.cache_hits == 0
     (warning,) = _warnings(caplog)
     assert "cache" in warning
