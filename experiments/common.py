@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import signal
 import sys
 
 from orsd_jax.batch import LAYOUTS
@@ -218,6 +219,19 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
     return "\n".join(lines), e.fits
 
 
+class Stopped(BaseException):
+    """SIGINT or SIGTERM arrived: the run unwinds (services close, servers and environment workers
+    stop) instead of dying mid-update. A BaseException, so no ``except Exception`` holds it up."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_on(signum: int, frame) -> None:
+    raise Stopped(signum)
+
+
 def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     args = parser(env, doc).parse_args(argv)  # before any game loads: the planner overwrites sys.argv
     console_logging()
@@ -231,10 +245,15 @@ def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     out = pathlib.Path(args.out or f"runs/{config.preset}-{env}-{config.method}")
     from orsd_jax.checkpoints import StorageError
 
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stop_on)
     try:
         policy = train(config, out, resume=args.resume, stop_after=args.stop_after)
     except StorageError as error:  # nothing to debug: the disk is full
         sys.exit(f"error: {error}")
+    except Stopped as stop:  # asked to: nothing to debug either
+        print(f"stopped by {stop}: run again with --resume to continue from the last checkpoint", file=sys.stderr)
+        sys.exit(128 + stop.signum)
     from orsd_jax.credit import recorded_updates
 
     if recorded_updates(out):

@@ -3,7 +3,6 @@ step, the sampler, the verifier and the environment pool. ``trainer`` composes t
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -106,43 +105,64 @@ def initial_policy(config: TrainConfig, out: pathlib.Path) -> tuple[CausalLM, ob
     return model, tokenizer, directory
 
 
-def _make_sampler(config: TrainConfig, directory: pathlib.Path, model: CausalLM, tokenizer, out: pathlib.Path):
-    """The policy's sampler and the server it runs on (None in process)."""
-    max_len = max(
+def _max_len(config: TrainConfig) -> int:
+    return max(
         config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
         config.rubric.max_prompt_tokens + config.rubric.max_new_tokens,
     )
-    if config.sampler == "jax":
-        from orsd_jax.sampling.jax_sampler import JaxSampler
 
-        return JaxSampler(model, tokenizer, max_model_len=max_len, seed=config.seed), None
-    from orsd_jax.sampling.vllm_sampler import VLLMSampler
+
+def _launch_servers(
+    config: TrainConfig, directory: pathlib.Path, out: pathlib.Path
+) -> tuple[VLLMServer | None, VLLMServer | None]:
+    """The sampler's and the verifier's vLLM server processes (None where the run has none),
+    launched without waiting for them to answer."""
     from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
 
-    options = ServerOptions(max_model_len=max_len, seed=config.seed)
-    server = VLLMServer(directory, options, log_path=out / "logs" / "sampler.log")
-    return VLLMSampler(server, tokenizer, scratch_dir=out / "sampler_weights"), server
+    sampler = verifier = None
+    try:
+        if config.sampler == "vllm":
+            options = ServerOptions(max_model_len=_max_len(config), seed=config.seed)
+            sampler = VLLMServer(directory, options, log_path=out / "logs" / "sampler.log", wait=False)
+        if config.uses_rubrics and config.verifier.kind == "local-vllm":
+            options = ServerOptions(served_model_name="verifier", max_model_len=4096, seed=config.seed, dev_mode=False)
+            verifier = VLLMServer(directory, options, log_path=out / "logs" / "verifier.log", wait=False)
+    except BaseException:
+        if sampler is not None:
+            sampler.close()
+        raise
+    return sampler, verifier
 
 
-def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out: pathlib.Path):
-    """The frozen verifier and the server it owns (or None)."""
+def _make_sampler(config: TrainConfig, server: VLLMServer | None, model: CausalLM, tokenizer, out: pathlib.Path):
+    """The policy's sampler: on its vLLM server (started), or in process."""
+    if server is None:
+        from orsd_jax.sampling.jax_sampler import JaxSampler
+
+        return JaxSampler(model, tokenizer, max_model_len=_max_len(config), seed=config.seed)
+    from orsd_jax.sampling.vllm_sampler import VLLMSampler
+
+    return VLLMSampler(server, tokenizer, scratch_dir=out / "sampler_weights")
+
+
+def _make_verifier(
+    config: TrainConfig, server: VLLMServer | None, directory: pathlib.Path, tokenizer, out: pathlib.Path
+) -> Verifier:
+    """The frozen verifier: on its vLLM server (started), in process, or a remote endpoint."""
     from orsd_jax.rubrics import EndpointConfig, LocalModelVerifier, OpenAIVerifier
 
     v = config.verifier
     cache = str(out / "verifier_cache")
     if v.kind == "local-jax":
         frozen, _ = load_model(directory)
-        return LocalModelVerifier(frozen, tokenizer), None
+        return LocalModelVerifier(frozen, tokenizer)
     if v.kind == "openai":
         if v.endpoint is None:
             raise ValueError("verifier kind 'openai' needs its endpoint (VerifierSetup.endpoint)")
         # The policy's tokenizer counts the trajectory budget: the paper's verifier (Qwen3.5-Plus)
         # shares the Qwen3 policy's; another model's context overflow drops only its pairs.
-        return OpenAIVerifier(dataclasses.replace(v.endpoint, cache_dir=cache), tokenizer=tokenizer), None
-    from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
-
-    options = ServerOptions(served_model_name="verifier", max_model_len=4096, seed=config.seed, dev_mode=False)
-    server = VLLMServer(directory, options, log_path=out / "logs" / "verifier.log")
+        return OpenAIVerifier(dataclasses.replace(v.endpoint, cache_dir=cache), tokenizer=tokenizer)
+    assert server is not None  # launched for local-vllm
     endpoint = EndpointConfig(
         base_url=f"{server.url}/v1",
         model="verifier",
@@ -151,7 +171,7 @@ def _make_verifier(config: TrainConfig, directory: pathlib.Path, tokenizer, out:
         concurrency=8,
         cache_dir=cache,
     )
-    return OpenAIVerifier(endpoint, tokenizer=tokenizer), server  # the served model's own tokenizer
+    return OpenAIVerifier(endpoint, tokenizer=tokenizer)  # the served model's own tokenizer
 
 
 class Services:
@@ -209,27 +229,19 @@ class Services:
         self.verifier_server: VLLMServer | None = None
 
     def start(self) -> None:
-        """The sampler, the verifier and the environment pool, started side by side (vLLM servers
-        spend most of their start-up waiting on imports and files)."""
+        """The sampler, the verifier and the environment pool. The vLLM servers start as processes
+        and the environment workers come up meanwhile (the servers spend most of their start-up on
+        imports and files); everything waits in this thread, so that a failure or a signal
+        anywhere reaches ``close()`` with every launched process recorded."""
         c = self.config
-        with concurrent.futures.ThreadPoolExecutor(3) as executor:
-            sampler = executor.submit(_make_sampler, c, self.initial_dir, self._model, self.tokenizer, self.out)
-            verifier = (
-                executor.submit(_make_verifier, c, self.initial_dir, self.tokenizer, self.out)
-                if c.uses_rubrics
-                else None
-            )
-            envs = executor.submit(EnvPool, self.suite.make_env, c.n_tasks * c.group_size, c.env.workers)
-        # Keep whatever started, so that close() stops it when another part failed.
-        if sampler.exception() is None:
-            self.sampler, self.sampler_server = sampler.result()
-        if verifier is not None and verifier.exception() is None:
-            self.verifier, self.verifier_server = verifier.result()
-        if envs.exception() is None:
-            self.pool = envs.result()
-        for future in (sampler, verifier, envs):
-            if future is not None and (error := future.exception()) is not None:
-                raise error
+        self.sampler_server, self.verifier_server = _launch_servers(c, self.initial_dir, self.out)
+        self.pool = EnvPool(self.suite.make_env, c.n_tasks * c.group_size, c.env.workers)
+        for server in (self.sampler_server, self.verifier_server):
+            if server is not None:
+                server.wait_ready()
+        self.sampler = _make_sampler(c, self.sampler_server, self._model, self.tokenizer, self.out)
+        if c.uses_rubrics:
+            self.verifier = _make_verifier(c, self.verifier_server, self.initial_dir, self.tokenizer, self.out)
 
     def policy(self, state: TrainState) -> CausalLM:
         return nnx.merge(self.graphdef, state.params)

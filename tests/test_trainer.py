@@ -1,6 +1,7 @@
 """The training loop on the ``tiny`` preset: every method, exact resume after SIGKILL, damaged
 checkpoints, and the pieces the loop composes (advantages with penalties, step samples)."""
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -217,6 +218,35 @@ def test_a_full_disk_sigterm_and_sigint_stop_cleanly_and_resume(tmp_path):
     _wait_for_checkpoint(proc, out, 3)
     _stop(proc, signal.SIGINT)
     assert {r["update"] for r in _metrics(out)} >= {1, 2, 3}
+
+
+def _command_lines(proc: subprocess.Popen) -> list[str]:
+    lines = []
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            lines.append(" ".join(child.cmdline()))
+    return lines
+
+
+def test_sigterm_while_the_vllm_sampler_starts_leaves_no_process(tmp_path):
+    """SIGTERM while the services start (the environment workers are up, the vLLM sampler is
+    loading): the run unwinds within 30 s with one line saying how to go on, no traceback, and
+    leaves no vLLM process, watchdog, environment worker or server socket directory."""
+    out = tmp_path / "starting"
+    proc = _start(out, "--sampler", "vllm")
+    deadline = time.time() + 300
+    while not any("vllm.entrypoints.openai.api_server" in line for line in _command_lines(proc)):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "no vLLM server started within 5 minutes"
+        time.sleep(0.2)
+    [socket_dir] = [a for line in _command_lines(proc) if "api_server" in line for a in line.split() if "sock" in a]
+    _stop(proc, signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1] == (
+        "stopped by SIGTERM: run again with --resume to continue from the last checkpoint"
+    )
+    assert not pathlib.Path(socket_dir).parent.exists()
 
 
 def test_damaged_checkpoint_falls_back_with_a_warning(tmp_path, caplog):

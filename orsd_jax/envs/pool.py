@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import os
+import signal
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +27,15 @@ class EnvWorkerError(RuntimeError):
 
 
 def _worker(conn, make_env: Callable[[], TextEnv], n_local: int) -> None:
+    # Ctrl-C reaches the whole terminal group: the owner decides what stops, then closes the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _serve(conn, make_env, n_local)
+    except (BrokenPipeError, ConnectionResetError):  # the owner is gone (killed): nothing to answer
+        pass
+
+
+def _serve(conn, make_env: Callable[[], TextEnv], n_local: int) -> None:
     try:
         envs = [make_env() for _ in range(n_local)]
     except BaseException:  # report the failure to build instead of dying silently

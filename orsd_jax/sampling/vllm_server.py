@@ -96,7 +96,10 @@ class VLLMServer:
         options: ServerOptions = ServerOptions(),
         *,
         log_path: str | os.PathLike | None = None,
+        wait: bool = True,
     ):
+        """Starts the server; with ``wait=False`` returns once its process runs (then call
+        ``wait_ready()``), so that a caller can start several and wait for them in one thread."""
         self.options: ServerOptions | None = options  # None: attached
         self.owned = True
         self.served_model_name = options.served_model_name
@@ -114,6 +117,8 @@ class VLLMServer:
         atexit.register(self.close)
         try:
             self._launch(model_dir)
+            if wait:
+                self.wait_ready()
         except BaseException:
             self.close()
             raise
@@ -163,6 +168,7 @@ class VLLMServer:
         target = model_dir if model_dir is not None else self.model_dir
         assert target is not None  # an owned server was launched with a model directory
         self._launch(target)
+        self.wait_ready()
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -259,10 +265,11 @@ class VLLMServer:
             start_new_session=True,
         )
         self.model_dir = model_dir
-        self._wait_ready()
 
-    def _wait_ready(self) -> None:
-        assert self.options is not None and self._proc is not None  # set for and by _launch
+    def wait_ready(self) -> None:
+        """Returns once the server answers /health; raises ServerError (and stops it) if it exits or
+        does not answer within ``startup_timeout_s``."""
+        assert self.options is not None and self._proc is not None  # set by _launch
         deadline = time.monotonic() + self.options.startup_timeout_s
         while not self.alive():
             code = self._proc.poll()
