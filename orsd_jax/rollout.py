@@ -1,8 +1,10 @@
-"""Group rollouts: ``n_tasks x G`` episodes played to completion, one sampler call per turn.
+"""Group rollouts: ``n_tasks x G`` episodes played to completion.
 
-Every still-active environment's prompt goes into a single ``Sampler.generate`` call per turn
-(the sampler batches them), the answers are parsed with the shared ``<think>/<action>`` parser
-and all environments step concurrently in the ``EnvPool``. The result is immutable records:
+Turn-synchronous by default: every still-active environment's prompt goes into a single
+``Sampler.generate`` call per turn (the sampler batches them), the answers are parsed with the
+shared ``<think>/<action>`` parser and all environments step concurrently in the ``EnvPool``.
+Asynchronous episodes (``RolloutConfig.asynchronous``) each go on as soon as their own step is
+back. The result is immutable records:
 per step what the policy saw and said, per trajectory the outcome.
 
 Prompt budget rule (never silent): a prompt over ``max_prompt_tokens`` first loses history
@@ -13,20 +15,24 @@ and the collection counts them.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import random
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from orsd_jax import chat, seeds
-from orsd_jax.envs.actions import parse_action
+from orsd_jax.envs.actions import ParsedAction, parse_action
 from orsd_jax.envs.base import EnvStep, Task
 from orsd_jax.envs.pool import EnvPool
-from orsd_jax.sampling.base import Sampler, SamplingParams
+from orsd_jax.sampling.base import Completion, Sampler, SamplingParams
 
 PromptBuilder = Callable[..., str]  # (task_description, observation, admissible, history, step_count, history_length)
+Prompt = tuple[str, list[int], bool]  # user text, prompt ids, whether it was cut to fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +46,8 @@ class RolloutConfig:
     top_k: int = -1
     # Generation ends at the end of the answer: nothing after </action> is ever used.
     stop: tuple[str, ...] = ("</action>",)
+    # Each episode on its own (see collect_groups); off: verl-agent's turn-synchronous loop.
+    asynchronous: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +101,9 @@ class RolloutStats:
     prompt_tokens: int
     truncated_prompts: int
     invalid_answers: int
-    sampler_seconds: float
-    env_seconds: float
+    sampler_seconds: float  # the sampler busy (a call in flight)
+    env_seconds: float  # the environments busy
+    overlap_seconds: float  # both at once (asynchronous episodes)
     wall_seconds: float
 
 
@@ -132,6 +141,97 @@ def fit_prompt(
     )
 
 
+class _Clock:
+    """Busy intervals of the sampler and of the environments (threads may overlap them)."""
+
+    def __init__(self) -> None:
+        self._intervals: dict[str, list[tuple[float, float]]] = {"sampler": [], "envs": []}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def busy(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._intervals[stage].append((t0, time.perf_counter()))
+
+    def seconds(self) -> tuple[float, float, float]:
+        """Seconds the sampler was busy, the environments were, and both at once."""
+        sampler, envs = (_merged(self._intervals[k]) for k in ("sampler", "envs"))
+        both = sum(
+            max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in sampler for b0, b1 in envs
+        )  # merged intervals are disjoint, so the pairwise intersections add up
+        return _length(sampler), _length(envs), both
+
+
+def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: Sequence[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+class _Episode:
+    """One episode in play: what its next prompt is built from, and its steps so far."""
+
+    def __init__(self, task: Task, first: EnvStep):
+        self.task, self.current = task, first
+        self.steps: list[Step] = []
+        self.history: list[tuple[str, str]] = []
+
+    def prompt(self, config: RolloutConfig, build_prompt: PromptBuilder, fmt, tokenizer) -> Prompt:
+        current = self.current
+        return fit_prompt(
+            build_prompt,
+            fmt,
+            tokenizer,
+            config.max_prompt_tokens,
+            self.task,
+            current.observation,
+            current.admissible_actions,
+            self.history,
+            len(self.steps),
+            config.history_length,
+        )
+
+    def parse(self, fmt: chat.ChatFormat, completion: Completion) -> ParsedAction:
+        # The answer starts with what the chat template pre-filled (Qwen3's empty think block).
+        return parse_action(fmt.prefill + completion.text, self.current.admissible_actions)
+
+    def advance(self, prompt: Prompt, c: Completion, p: ParsedAction, result: EnvStep) -> None:
+        text, ids, cut = prompt
+        self.steps.append(
+            Step(
+                user_text=text,
+                prompt_ids=tuple(ids),
+                response_ids=c.token_ids,
+                logprobs=c.logprobs,
+                response_text=c.text,
+                observation=self.current.observation,
+                action=p.action,
+                valid_format=p.valid_format,
+                admissible=p.admissible,
+                reward=result.reward,
+                truncated=cut,
+                weight_version=c.weight_version,
+            )
+        )
+        self.history.append((self.current.observation, p.action or ""))
+        self.current = result
+
+    def trajectory(self) -> Trajectory:
+        return Trajectory(task=self.task, steps=tuple(self.steps), won=self.current.won, score=self.current.score)
+
+
 def collect_groups(
     sampler: Sampler,
     envs: EnvPool,
@@ -144,19 +244,22 @@ def collect_groups(
     fmt: chat.ChatFormat,
     build_prompt: PromptBuilder,
 ) -> tuple[tuple[Group, ...], RolloutStats]:
-    """Plays ``group_size`` episodes of each task; environment ``i`` plays ``tasks[i // group_size]``."""
+    """Plays ``group_size`` episodes of each task; environment ``i`` plays ``tasks[i // group_size]``.
+
+    Turn-synchronous (verl-agent's loop): one sampler call per turn for every live episode, then
+    every environment steps. ``config.asynchronous``: each episode asks for its next answer as
+    soon as its observation is back, so environments step while other episodes generate; turn
+    ``t`` of episode ``i`` samples with seed ``derive(seed, t, i)`` (the synchronous loop:
+    ``derive(seed, t)`` for the turn's call), so only greedy decoding plays the same episodes.
+    """
     n = len(tasks) * group_size
     if envs.n_envs != n:
         raise ValueError(f"the pool holds {envs.n_envs} environments; {len(tasks)} tasks x {group_size} need {n}")
     start = time.perf_counter()
     task_of = [tasks[i // group_size] for i in range(n)]
-    t0 = time.perf_counter()
-    current: list[EnvStep] = envs.reset(task_of)
-    env_seconds = time.perf_counter() - t0
-    sampler_seconds = 0.0
-    steps: list[list[Step]] = [[] for _ in range(n)]
-    history: list[list[tuple[str, str]]] = [[] for _ in range(n)]
-    active = [not s.done for s in current]
+    clock = _Clock()
+    with clock.busy("envs"):
+        episodes = [_Episode(t, first) for t, first in zip(task_of, envs.reset(task_of))]
     params = SamplingParams(
         temperature=config.temperature,
         top_p=config.top_p,
@@ -166,85 +269,105 @@ def collect_groups(
         include_stop=True,  # the parser needs the closing tag
         stop_token_ids=fmt.stop_token_ids,
     )
-    generated = prompt_tokens = truncated = invalid = env_steps = 0
-    for turn in range(config.max_steps):
-        live = [i for i in range(n) if active[i]]
-        if not live:
-            break
-        prompts = [
-            fit_prompt(
-                build_prompt,
-                fmt,
-                tokenizer,
-                config.max_prompt_tokens,
-                task_of[i],
-                current[i].observation,
-                current[i].admissible_actions,
-                history[i],
-                len(steps[i]),
-                config.history_length,
-            )
-            for i in live
-        ]
-        t0 = time.perf_counter()
-        # One seed per turn; samplers draw independent samples for the prompts of one call.
-        completions = sampler.generate(
-            [ids for _, ids, _ in prompts], dataclasses.replace(params, seed=seeds.derive(seed, turn))
-        )
-        sampler_seconds += time.perf_counter() - t0
-        # The answer starts with what the chat template pre-filled (Qwen3's empty think block).
-        parsed = [parse_action(fmt.prefill + c.text, current[i].admissible_actions) for i, c in zip(live, completions)]
-        actions: list[str | None] = [None] * n
-        for i, p in zip(live, parsed):
-            actions[i] = p.action or ""  # an unparseable answer is a no-op that still uses a step
-        t0 = time.perf_counter()
-        results = envs.step(actions)
-        env_seconds += time.perf_counter() - t0
-        for i, (text, ids, cut), c, p in zip(live, prompts, completions, parsed):
-            result = results[i]
-            assert result is not None  # every live env was sent an action
-            steps[i].append(
-                Step(
-                    user_text=text,
-                    prompt_ids=tuple(ids),
-                    response_ids=c.token_ids,
-                    logprobs=c.logprobs,
-                    response_text=c.text,
-                    observation=current[i].observation,
-                    action=p.action,
-                    valid_format=p.valid_format,
-                    admissible=p.admissible,
-                    reward=result.reward,
-                    truncated=cut,
-                    weight_version=c.weight_version,
-                )
-            )
-            history[i].append((current[i].observation, p.action or ""))
-            current[i] = result
-            active[i] = not result.done
-            generated += len(c.token_ids)
-            prompt_tokens += len(ids)
-            truncated += cut
-            invalid += not p.valid
-            env_steps += 1
-    trajectories = [
-        Trajectory(task=task_of[i], steps=tuple(steps[i]), won=current[i].won, score=current[i].score) for i in range(n)
-    ]
+    play = _play_asynchronously if config.asynchronous else _play_by_turns
+    play(
+        episodes,
+        sampler,
+        envs,
+        config,
+        params,
+        seed,
+        clock,
+        lambda e: e.prompt(config, build_prompt, fmt, tokenizer),
+        fmt,
+    )
+    trajectories = [e.trajectory() for e in episodes]
     groups = tuple(
         Group(task=tasks[g], trajectories=tuple(trajectories[g * group_size : (g + 1) * group_size]))
         for g in range(len(tasks))
     )
+    steps = [s for t in trajectories for s in t.steps]
+    sampler_seconds, env_seconds, both = clock.seconds()
     stats = RolloutStats(
-        env_steps=env_steps,
-        generated_tokens=generated,
-        prompt_tokens=prompt_tokens,
-        truncated_prompts=truncated,
-        invalid_answers=invalid,
+        env_steps=len(steps),
+        generated_tokens=sum(len(s.response_ids) for s in steps),
+        prompt_tokens=sum(len(s.prompt_ids) for s in steps),
+        truncated_prompts=sum(s.truncated for s in steps),
+        invalid_answers=sum(not s.valid for s in steps),
         sampler_seconds=sampler_seconds,
         env_seconds=env_seconds,
+        overlap_seconds=both,
         wall_seconds=time.perf_counter() - start,
     )
     return groups, stats
+
+
+def _play_by_turns(
+    episodes: list[_Episode],
+    sampler: Sampler,
+    envs: EnvPool,
+    config: RolloutConfig,
+    params: SamplingParams,
+    seed: int,
+    clock: _Clock,
+    prompt_of: Callable[[_Episode], Prompt],
+    fmt: chat.ChatFormat,
+) -> None:
+    for turn in range(config.max_steps):
+        live = [i for i, e in enumerate(episodes) if not e.current.done]
+        if not live:
+            return
+        prompts = [prompt_of(episodes[i]) for i in live]
+        with clock.busy("sampler"):
+            # One seed per turn; samplers draw independent samples for the prompts of one call.
+            completions = sampler.generate(
+                [ids for _, ids, _ in prompts], dataclasses.replace(params, seed=seeds.derive(seed, turn))
+            )
+        parsed = [episodes[i].parse(fmt, c) for i, c in zip(live, completions)]
+        actions: list[str | None] = [None] * len(episodes)
+        for i, p in zip(live, parsed):
+            actions[i] = p.action or ""  # an unparseable answer is a no-op that still uses a step
+        with clock.busy("envs"):
+            results = envs.step(actions)
+        for i, prompt, c, p in zip(live, prompts, completions, parsed):
+            result = results[i]
+            assert result is not None  # every live env was sent an action
+            episodes[i].advance(prompt, c, p, result)
+
+
+def _play_asynchronously(
+    episodes: list[_Episode],
+    sampler: Sampler,
+    envs: EnvPool,
+    config: RolloutConfig,
+    params: SamplingParams,
+    seed: int,
+    clock: _Clock,
+    prompt_of: Callable[[_Episode], Prompt],
+    fmt: chat.ChatFormat,
+) -> None:
+    # A sampler that cannot serve calls from several threads (the in-process JAX one) takes them
+    # one at a time; environments still step meanwhile.
+    serial: contextlib.AbstractContextManager = (
+        contextlib.nullcontext() if getattr(sampler, "concurrent_calls", False) else threading.Lock()
+    )
+
+    def play(i: int) -> None:
+        episode = episodes[i]
+        for turn in range(config.max_steps):
+            if episode.current.done:
+                return
+            prompt = prompt_of(episode)
+            with clock.busy("sampler"), serial:
+                [c] = sampler.generate([prompt[1]], dataclasses.replace(params, seed=seeds.derive(seed, turn, i)))
+            p = episode.parse(fmt, c)
+            with clock.busy("envs"):
+                result = envs.step_one(i, p.action or "")
+            episode.advance(prompt, c, p, result)
+
+    with concurrent.futures.ThreadPoolExecutor(len(episodes), thread_name_prefix="episode") as pool:
+        for future in [pool.submit(play, i) for i in range(len(episodes))]:
+            future.result()
 
 
 def tasks_for_update(train: Sequence[Task], n_tasks: int, seed: int, update: int) -> list[Task]:
@@ -276,6 +399,9 @@ def rollout_metrics(groups: Sequence[Group], stats: RolloutStats) -> dict[str, f
         "rollout/generated_tokens_per_s": stats.generated_tokens / max(stats.sampler_seconds, 1e-9),
         "rollout/env_steps_per_s": stats.env_steps / max(stats.wall_seconds, 1e-9),
         "time/rollout": stats.wall_seconds,
+        "time/rollout_sampler": stats.sampler_seconds,
+        "time/rollout_envs": stats.env_seconds,
+        "time/rollout_overlap": stats.overlap_seconds,
     }
     for task_type in sorted({t.task.task_type for t in trajs}):
         out[f"env/success/{task_type}"] = float(np.mean([t.won for t in trajs if t.task.task_type == task_type]))

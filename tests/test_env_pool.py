@@ -49,6 +49,22 @@ def test_steps_reach_their_environment_and_none_skips():
     assert [s.observation for s in out if s] == [f"{pids[0]}:a", f"{pids[2]}:c", f"{pids[3]}:d"]
 
 
+def test_steps_of_single_environments_from_many_threads_reach_their_own():
+    """Asynchronous episodes: one thread per environment, each stepping its own, several of them
+    on one worker at once ("slow" holds a worker while its neighbours wait on its pipe)."""
+    import concurrent.futures
+
+    with EnvPool(PidEnv, 6, n_workers=2) as pool:
+        pids = [s.observation for s in pool.reset([TASK] * 6)]
+        actions = [["slow", f"a{i}", "slow"] if i % 3 == 0 else [f"a{i}", f"b{i}", f"c{i}"] for i in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(6) as threads:
+            seen = list(threads.map(lambda i: [pool.step_one(i, a).observation for a in actions[i]], range(6)))
+        assert seen == [[f"{pids[i]}:{a}" for a in actions[i]] for i in range(6)]
+        with pytest.raises(EnvWorkerError, match="boom"):
+            pool.step_one(1, "raise")
+        assert pool.step_one(1, "again").observation == f"{pids[1]}:again"  # no stale reply
+
+
 def test_worker_failures_are_reported():
     pool = EnvPool(PidEnv, 2, n_workers=2)
     try:

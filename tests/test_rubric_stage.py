@@ -3,6 +3,7 @@ x 4 trajectories through a real vLLM server, writes rubric bundles about them, a
 (frozen) weights served by vLLM verify every criterion on every trajectory through the real
 ``openai`` client; the selection is checked against ``scipy.stats.spearmanr``."""
 
+import dataclasses
 import functools
 import re
 
@@ -124,3 +125,47 @@ def test_groups_bundles_satisfaction_and_selection(server, tmp_path):
     api = psutil.Process(server.pid)
     assert not [c for c in api.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     sampler.close()
+
+
+def test_asynchronous_episodes_are_the_synchronous_ones_when_greedy(server, tmp_path):
+    """Each episode on its own (environments stepping while others generate) plays what the
+    turn-synchronous loop plays, token for token, where decoding is deterministic."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve(EMBEDDED))
+    fmt = chat.chat_format(tokenizer)
+    sampler = VLLMSampler(server, tokenizer, scratch_dir=tmp_path / "weights")
+    tasks = load_split(default_games("easy", 0, 200, 50), "train")[TASKS : 2 * TASKS]
+    greedy = dataclasses.replace(ROLLOUT, temperature=0.0)
+    pool = EnvPool(functools.partial(AlfworldEnv, max_steps=ROLLOUT.max_steps), TASKS * G, n_workers=2)
+    try:
+        played = [
+            collect_groups(
+                sampler,
+                pool,
+                tasks,
+                G,
+                dataclasses.replace(greedy, asynchronous=asynchronous),
+                seed=0,
+                tokenizer=tokenizer,
+                fmt=fmt,
+                build_prompt=build_prompt,
+            )
+            for asynchronous in (False, True)
+        ]
+    finally:
+        pool.close()
+        sampler.close()
+    (by_turns, turn_stats), (on_their_own, own_stats) = played
+
+    def record(groups):
+        return [
+            (t.won, [(s.prompt_ids, s.response_ids, s.action, s.reward) for s in t.steps])
+            for g in groups
+            for t in g.trajectories
+        ]
+
+    assert record(by_turns) == record(on_their_own)
+    for a, b in zip(by_turns, on_their_own):
+        for s, u in (pair for x, y in zip(a.trajectories, b.trajectories) for pair in zip(x.steps, y.steps)):
+            np.testing.assert_allclose(s.logprobs, u.logprobs, atol=1e-4)
+    assert (turn_stats.env_steps, turn_stats.generated_tokens) == (own_stats.env_steps, own_stats.generated_tokens)
+    assert turn_stats.overlap_seconds == 0.0 < own_stats.overlap_seconds  # environments stepped during generation

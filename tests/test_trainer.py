@@ -101,12 +101,12 @@ def test_evaluation_tables_agree_with_the_step_transcript(reference, split):
 TIS = dataclasses.replace(preset("tiny").loss, tis_cap=2.0)
 
 
-# Two of them also run the switches of the replay: truncated importance sampling, the packed layout.
+# Three of them also run switches: truncated importance sampling, asynchronous episodes, the packed layout.
 @pytest.mark.parametrize(
     "method, options",
     [
         ("grpo", {"loss": TIS, "old_logprobs": "trainer"}),
-        ("gigpo", {}),
+        ("gigpo", {"rollout": dataclasses.replace(preset("tiny").rollout, asynchronous=True)}),
         ("orsd-single", {"replay": "packed"}),
         ("orsd-random", {}),
     ],

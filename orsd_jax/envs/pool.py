@@ -12,9 +12,11 @@ reply to the same call has been read, so no later call receives a stale one
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,6 +69,9 @@ class EnvPool:
 
     ``reset(tasks)`` takes one task per environment; ``step(actions)`` one action per
     environment, where None skips that environment (finished episodes) and returns None for it.
+    ``step_one(i, action)`` steps environment ``i`` alone and may be called from several threads
+    at once (asynchronous episodes): calls reaching one worker take turns on its pipe, so each
+    reads its own reply.
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class EnvPool:
         self.n_envs = n_envs
         self.timeout = timeout
         self._conns, self._procs = [], []
+        self._locks = [threading.Lock() for _ in range(n_workers)]  # one call at a time on a pipe
         for w in range(n_workers):
             parent, child = ctx.Pipe()
             n_local = sum(1 for owner, _ in self._owner if owner == w)
@@ -150,10 +156,28 @@ class EnvPool:
         return out
 
     def reset(self, tasks: Sequence[Task]) -> list[EnvStep]:
-        return self._scatter("reset", list(tasks))
+        with contextlib.ExitStack() as every_pipe:
+            for lock in self._locks:
+                every_pipe.enter_context(lock)
+            return self._scatter("reset", list(tasks))
 
     def step(self, actions: Sequence[str | None]) -> list[EnvStep | None]:
-        return self._scatter("step", list(actions))
+        with contextlib.ExitStack() as every_pipe:
+            for lock in self._locks:
+                every_pipe.enter_context(lock)
+            return self._scatter("step", list(actions))
+
+    def step_one(self, i: int, action: str) -> EnvStep:
+        w, local = self._owner[i]
+        with self._locks[w]:
+            try:
+                self._conns[w].send(("step", [(local, action)]))
+            except (BrokenPipeError, OSError) as err:
+                raise EnvWorkerError(f"environment worker {w} is gone: {err}") from err
+            reply = self._receive(w)
+        if isinstance(reply, EnvWorkerError):
+            raise reply
+        return reply[0]
 
     def close(self) -> None:
         for conn in self._conns:

@@ -52,6 +52,8 @@ def processed_logprobs(logits: jax.Array, temperature: float, top_k: int, top_p:
 class JaxSampler:
     """``Sampler`` running the orsd_jax model in this process."""
 
+    concurrent_calls = False  # written for one caller: asynchronous episodes take turns on it
+
     def __init__(
         self,
         model: CausalLM,

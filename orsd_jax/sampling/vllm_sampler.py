@@ -21,6 +21,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 
 import httpx2
@@ -55,8 +56,11 @@ class VLLMSampler:
 
     A server given as an object is used but not closed here (its owner closes it). Pushed
     weights go to ``scratch_dir`` (a temporary directory, removed on ``close()``, when not
-    given); only the latest pushed version is kept there.
+    given); only the latest pushed version is kept there. ``generate`` may be called from several
+    threads at once (asynchronous episodes); a server death they all see is restarted once.
     """
+
+    concurrent_calls = True
 
     def __init__(
         self,
@@ -84,6 +88,8 @@ class VLLMSampler:
         self._latest_dir: pathlib.Path | None = None  # the latest pushed weights
         self._http = self.server.http(timeout_s=request_timeout_s, max_connections=max_concurrency)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-request")
+        self._restarts = 0  # servers started after the first, counted under _restart_lock
+        self._restart_lock = threading.Lock()
 
     # Generation.
 
@@ -212,6 +218,7 @@ class VLLMSampler:
 
     def _post_all(self, path: str, bodies: list[dict]) -> list[dict]:
         """Posts concurrently; after a server death, restarts it and re-sends the failed ones once."""
+        sent_to = self._restarts
         futures = [self._pool.submit(self._post, path, body) for body in bodies]
         answers: list = [f.exception() or f.result() for f in futures]
         failed = [i for i, a in enumerate(answers) if isinstance(a, BaseException)]
@@ -219,17 +226,18 @@ class VLLMSampler:
             return answers
         if any(not isinstance(answers[i], _ServerDown) for i in failed):
             raise next(answers[i] for i in failed if not isinstance(answers[i], _ServerDown))
-        self._restart_dead_server(answers[failed[0]])
+        self._restart_dead_server(answers[failed[0]], sent_to)
         retried = [self._pool.submit(self._post, path, bodies[i]) for i in failed]
         for i, future in zip(failed, retried):
             answers[i] = self._unwrap(future.result)
         return answers
 
     def _with_recovery(self, call: Callable[[], object]) -> object:
+        sent_to = self._restarts
         try:
             return call()
         except _ServerDown as err:
-            self._restart_dead_server(err)
+            self._restart_dead_server(err, sent_to)
         return self._unwrap(call)
 
     @staticmethod
@@ -239,11 +247,17 @@ class VLLMSampler:
         except _ServerDown as err:
             raise ServerError(f"the vLLM server failed again after a restart: {err}") from err
 
-    def _restart_dead_server(self, err: _ServerDown) -> None:
-        if self.server.alive():
-            raise ServerError(f"the vLLM server is up but failed a request: {err}") from err
-        self.server.restart(self._serving_dir)
-        self.max_model_len = self.server.max_model_len
+    def _restart_dead_server(self, err: _ServerDown, sent_to: int) -> None:
+        """Restarts the server that failed requests sent to its ``sent_to``-th start, unless
+        another thread restarted it since (then the requests go to the new one)."""
+        with self._restart_lock:
+            if self._restarts != sent_to:
+                return
+            if self.server.alive():
+                raise ServerError(f"the vLLM server is up but failed a request: {err}") from err
+            self.server.restart(self._serving_dir)
+            self.max_model_len = self.server.max_model_len
+            self._restarts += 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
