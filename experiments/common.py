@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import pathlib
 import signal
 import sys
@@ -72,6 +73,13 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="mesh size")
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--sampler", choices=["vllm", "jax"])
+    p.add_argument(
+        "--async-episodes",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each episode asks for its next answer as soon as its own step is back (default: off, verl-agent's "
+        "turn-synchronous loop; greedy decoding plays the same episodes either way)",
+    )
     p.add_argument("--verifier", choices=["local-vllm", "local-jax", "dashscope", "openai"])
     p.add_argument("--verifier-url", help="base URL of an OpenAI-compatible endpoint (with --verifier openai)")
     p.add_argument("--verifier-model", help="model name at that endpoint")
@@ -114,6 +122,7 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
         c,
         model=set_(c.model, name=args.model),
         env=set_(c.env, data_dir=args.data_dir, task_types=args.task_types, train_pool=args.train_pool),
+        rollout=set_(c.rollout, asynchronous=args.async_episodes),
     )
     c = set_(
         c,
@@ -250,6 +259,9 @@ def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     try:
         policy = train(config, out, resume=args.resume, stop_after=args.stop_after)
     except StorageError as error:  # nothing to debug: the disk is full
+        # Orbax leaves the asyncio tasks of its other refused writes unretrieved: asyncio would log
+        # each one's traceback when it is collected at exit, after this line.
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         sys.exit(f"error: {error}")
     except Stopped as stop:  # asked to: nothing to debug either
         print(f"stopped by {stop}: run again with --resume to continue from the last checkpoint", file=sys.stderr)

@@ -3,10 +3,12 @@ record of everything else a resumed run needs (update number, data cursor, RNG s
 cache, the run's config).
 
 Orbax writes each checkpoint to a temporary directory and renames it when complete, so a run
-killed mid-save leaves no half checkpoint in the list. A checkpoint that is listed but cannot be
-read (a damaged file) is skipped on restore, with a warning, for the newest one before it, and
-deleted, so that the redone update is saved again. A save the file system refuses (a full disk, a
-quota, a file-size limit) raises ``StorageError`` naming the reason and the checkpoint still intact.
+killed mid-save leaves no half checkpoint in the list; its temporary directory is removed when the
+checkpoints are opened again. A checkpoint that is listed but cannot be read (a damaged file) is
+skipped on restore, with a warning, for the newest one before it, and deleted, so that the redone
+update is saved again. A save the file system refuses (a full disk, a quota, a file-size limit)
+raises ``StorageError`` naming the reason and the checkpoint still intact; ``refused_writes`` does
+the same for the run's other files.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import logging
 import os
 import pathlib
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import jax
@@ -45,29 +49,48 @@ def _storage_fault(error: BaseException) -> str | None:
     return match.group(0) if match else None
 
 
+RESUME = "free space there, then run again with --resume"
+
+
+@contextmanager
+def refused_writes(
+    what: str,
+    where: str | os.PathLike,
+    then: str = f"the run's checkpoints are intact: {RESUME} to continue from the last one",
+) -> Iterator[None]:
+    """Turns a write the file system refuses in the block into a ``StorageError`` of one line:
+    ``what`` could not be written to ``where``, the reason, and ``then`` (what is intact, what to do).
+    Every other exception goes through as it is."""
+    try:
+        yield
+    except Exception as error:
+        reason = _storage_fault(error)
+        if reason is None:
+            raise
+        # The reason is all the user needs of the writer's traceback (Orbax's is long).
+        raise StorageError(f"{what} could not be written to {where} ({reason}); {then}") from None
+
+
 class Checkpoints:
     def __init__(self, directory: str | os.PathLike, keep: int = 2):
         self.directory = pathlib.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+        # cleanup_tmp_directories removes the temporary directory of a save that a killed process
+        # left (in the background, from here; Orbax waits for it before its first save).
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True
+        )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, update: int, state: Any, meta: dict) -> None:
         """Saves ``state`` (a pytree of arrays) and ``meta`` (JSON) as checkpoint ``update``."""
-        try:
+        # Listed before the save: Orbax deletes the checkpoints past ``keep`` only once a save is complete.
+        kept = [step for step in self.steps() if step != update]
+        intact = f"checkpoint {kept[-1]} is intact" if kept else "there is no earlier checkpoint"
+        with refused_writes(f"checkpoint {update}", self.directory, f"{intact}: {RESUME}"):
             self._manager.save(
                 update, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
             )
             self._manager.wait_until_finished()
-        except Exception as error:
-            reason = _storage_fault(error)
-            if reason is None:
-                raise
-            kept = [step for step in self.steps() if step != update]
-            intact = f"checkpoint {kept[-1]} is intact" if kept else "there is no earlier checkpoint"
-            raise StorageError(
-                f"checkpoint {update} could not be written to {self.directory} ({reason}); {intact}: "
-                "free space there, then run again with --resume"
-            ) from None  # the reason is all the user needs of Orbax's long traceback
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())

@@ -3,11 +3,14 @@ progress bars for the stages of an update."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
 import pathlib
+import socket
+import struct
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -32,32 +35,72 @@ def console_logging() -> None:
 
 class MetricsLog:
     """Appends to ``metrics.jsonl`` and ``tb/``. On resume, lines of updates after the restored
-    checkpoint (written before the crash) are dropped so the log matches the resumed state."""
+    checkpoint (written before the crash) are dropped so the log matches the resumed state, and so
+    is a last line cut short (a crash or a refused write mid-line). A write the file system refuses
+    raises ``StorageError``."""
 
     def __init__(self, out: str | os.PathLike, truncate_after: int | None = None):
-        from tensorboardX import SummaryWriter
-
         self.path = pathlib.Path(out) / "metrics.jsonl"
+        self._tb_dir = pathlib.Path(out) / "tb"
         if truncate_after is not None and self.path.exists():
             kept = [r for r in read_records(self.path) if r["update"] <= truncate_after and not r.get("final")]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self._file = open(self.path, "a")
-        self._tb = SummaryWriter(str(pathlib.Path(out) / "tb"))
+            partial = self.path.with_suffix(".jsonl.tmp")  # a refused rewrite leaves the log as it was
+            with open(partial, "wb", buffering=0) as file:
+                _write_all(file, "".join(json.dumps(r) + "\n" for r in kept).encode(), "the metrics log", self.path)
+            os.replace(partial, self.path)
+        # Both files unbuffered: the bytes of a refused write stay in no buffer for close() to fail
+        # on again. TensorBoard's events are written here rather than by tensorboardX's
+        # SummaryWriter: its writer thread dies on a refused write, and its queue then blocks the
+        # process for ever. Its file name has the process id: a resume in the same second gets a
+        # file of its own, not the end of one a refused write tore.
+        self._file = open(self.path, "ab", buffering=0)
+        self._tb_dir.mkdir(exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self._tb = open(self._tb_dir / name, "ab", buffering=0)
+        _write_all(self._tb, _event(file_version="brain.Event:2"), "the TensorBoard log", self._tb_dir)
 
     def write(self, update: int, metrics: dict[str, float], final: bool = False) -> None:
+        from tensorboardX.summary import scalar
+
         record = {"update": update, **({"final": True} if final else {}), **metrics}
-        self._file.write(
-            json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}) + "\n"
-        )
-        self._file.flush()
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not math.isnan(value):
-                self._tb.add_scalar(("final/" if final else "") + key, value, update)
-        self._tb.flush()
+        line = json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()})
+        what = f"the {'final ' if final else ''}metrics of update {update}"
+        _write_all(self._file, (line + "\n").encode(), what, self.path)
+        prefix = "final/" if final else ""
+        events = [
+            _event(step=update, summary=scalar(prefix + key, value))
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not math.isnan(value)
+        ]
+        _write_all(self._tb, b"".join(events), what, self._tb_dir)
 
     def close(self) -> None:
         self._file.close()
         self._tb.close()
+
+
+def _event(**fields) -> bytes:
+    """A TensorBoard ``Event`` of ``fields``, framed as a record of its event files (TFRecord)."""
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
+
+    data = Event(wall_time=time.time(), **fields).SerializeToString()
+    header = struct.pack("Q", len(data))
+    return header + struct.pack("I", masked_crc32c(header)) + data + struct.pack("I", masked_crc32c(data))
+
+
+def _write_all(file: io.FileIO, data: bytes, what: str, where: pathlib.Path) -> None:
+    """Writes ``data`` to an unbuffered file; a refused write raises ``StorageError`` naming ``what``
+    and ``where``. A call may write part of the data (what fits before the file system refuses);
+    the call after that raises why."""
+    # Not imported with this module: Orbax, which checkpoints imports, sets up a root log handler,
+    # and console_logging() would then set up none.
+    from orsd_jax.checkpoints import refused_writes
+
+    with refused_writes(what, where):
+        view = memoryview(data)
+        while view:
+            view = view[file.write(view) :]
 
 
 def read_records(path: pathlib.Path) -> list[dict]:

@@ -25,11 +25,12 @@ import numpy as np
 
 from orsd_jax import evaluation, seeds
 from orsd_jax.advantages import rank_targets, returns, step_advantages
+from orsd_jax.checkpoints import refused_writes
 from orsd_jax.config import TrainConfig, from_json, to_json
 from orsd_jax.credit import RecordedMinibatch, save_credit
 from orsd_jax.metrics_log import MetricsLog, progress, timed
 from orsd_jax.minibatches import train_minibatches, with_trainer_logprobs
-from orsd_jax.models import save_hf
+from orsd_jax.models import CausalLM, save_hf
 from orsd_jax.rollout import Group, collect_groups, rollout_metrics, tasks_for_update
 from orsd_jax.rubrics import GroupRubric, ParsedBundle, generate_bundles, rubric_metrics, verify_and_select
 from orsd_jax.rubrics import sources as rubric_sources
@@ -189,6 +190,12 @@ def evaluate(services: Services, update: int) -> dict[str, float]:
     return metrics
 
 
+def export_policy(policy: CausalLM, tokenizer, directory: pathlib.Path) -> pathlib.Path:
+    """The final policy as a Hugging Face directory (a refused write is a ``StorageError``)."""
+    with refused_writes("the final policy", directory):
+        return save_hf(policy, tokenizer, directory)
+
+
 def train(
     config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False, stop_after: int | None = None
 ) -> pathlib.Path:
@@ -208,7 +215,10 @@ def train(
     c, state, start = services.config, services.initial_state, 0
     if not resume:  # written once, atomically: a resumed run keeps the record it started with
         partial = saved.with_suffix(".json.tmp")
-        partial.write_text(to_json(config))
+        with refused_writes(
+            "the run's config", saved, "nothing is trained yet: free space there, then start the run again"
+        ):
+            partial.write_text(to_json(config))
         os.replace(partial, saved)
     if resume:
         shapes = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
@@ -229,9 +239,10 @@ def train(
             metrics = result.metrics
             if result.recorded:
                 r = result
-                save_credit(
-                    out, update + 1, r.groups, r.returns, r.rubrics, r.index, r.recorded, services.suite.make_env
-                )
+                with refused_writes(f"the credit record of update {update + 1}", out / "steps"):
+                    save_credit(
+                        out, update + 1, r.groups, r.returns, r.rubrics, r.index, r.recorded, services.suite.make_env
+                    )
             if c.eval_every and (update + 1) % c.eval_every == 0 and update + 1 < c.updates:
                 metrics |= evaluate(services, update + 1)
             metrics_log.write(update + 1, metrics)
@@ -247,8 +258,7 @@ def train(
                 services.checkpoints.save(update + 1, state, meta)
         final = evaluate(services, c.updates)
         metrics_log.write(c.updates, final, final=True)
-        save_hf(services.policy(state), services.tokenizer, out / "policy")
-        return out / "policy"
+        return export_policy(services.policy(state), services.tokenizer, out / "policy")
     finally:
         metrics_log.close()
         services.close()
