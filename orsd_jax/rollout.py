@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import random
 import threading
 import time
@@ -269,18 +270,11 @@ def collect_groups(
         include_stop=True,  # the parser needs the closing tag
         stop_token_ids=fmt.stop_token_ids,
     )
-    play = _play_asynchronously if config.asynchronous else _play_by_turns
-    play(
-        episodes,
-        sampler,
-        envs,
-        config,
-        params,
-        seed,
-        clock,
-        lambda e: e.prompt(config, build_prompt, fmt, tokenizer),
-        fmt,
+    prompt_of = functools.partial(
+        _Episode.prompt, config=config, build_prompt=build_prompt, fmt=fmt, tokenizer=tokenizer
     )
+    loop = _play_asynchronously if config.asynchronous else _play_by_turns
+    loop(episodes, _Play(sampler, envs, config, params, seed, clock, prompt_of, fmt))
     trajectories = [e.trajectory() for e in episodes]
     groups = tuple(
         Group(task=tasks[g], trajectories=tuple(trajectories[g * group_size : (g + 1) * group_size]))
@@ -302,71 +296,65 @@ def collect_groups(
     return groups, stats
 
 
-def _play_by_turns(
-    episodes: list[_Episode],
-    sampler: Sampler,
-    envs: EnvPool,
-    config: RolloutConfig,
-    params: SamplingParams,
-    seed: int,
-    clock: _Clock,
-    prompt_of: Callable[[_Episode], Prompt],
-    fmt: chat.ChatFormat,
-) -> None:
-    for turn in range(config.max_steps):
+@dataclasses.dataclass(frozen=True)
+class _Play:
+    """What both loops play with."""
+
+    sampler: Sampler
+    envs: EnvPool
+    config: RolloutConfig
+    params: SamplingParams
+    seed: int
+    clock: _Clock
+    prompt_of: Callable[[_Episode], Prompt]
+    fmt: chat.ChatFormat
+
+
+def _play_by_turns(episodes: list[_Episode], play: _Play) -> None:
+    for turn in range(play.config.max_steps):
         live = [i for i, e in enumerate(episodes) if not e.current.done]
         if not live:
             return
-        prompts = [prompt_of(episodes[i]) for i in live]
-        with clock.busy("sampler"):
+        prompts = [play.prompt_of(episodes[i]) for i in live]
+        with play.clock.busy("sampler"):
             # One seed per turn; samplers draw independent samples for the prompts of one call.
-            completions = sampler.generate(
-                [ids for _, ids, _ in prompts], dataclasses.replace(params, seed=seeds.derive(seed, turn))
-            )
-        parsed = [episodes[i].parse(fmt, c) for i, c in zip(live, completions)]
+            params = dataclasses.replace(play.params, seed=seeds.derive(play.seed, turn))
+            completions = play.sampler.generate([ids for _, ids, _ in prompts], params)
+        parsed = [episodes[i].parse(play.fmt, c) for i, c in zip(live, completions)]
         actions: list[str | None] = [None] * len(episodes)
         for i, p in zip(live, parsed):
             actions[i] = p.action or ""  # an unparseable answer is a no-op that still uses a step
-        with clock.busy("envs"):
-            results = envs.step(actions)
+        with play.clock.busy("envs"):
+            results = play.envs.step(actions)
         for i, prompt, c, p in zip(live, prompts, completions, parsed):
             result = results[i]
             assert result is not None  # every live env was sent an action
             episodes[i].advance(prompt, c, p, result)
 
 
-def _play_asynchronously(
-    episodes: list[_Episode],
-    sampler: Sampler,
-    envs: EnvPool,
-    config: RolloutConfig,
-    params: SamplingParams,
-    seed: int,
-    clock: _Clock,
-    prompt_of: Callable[[_Episode], Prompt],
-    fmt: chat.ChatFormat,
-) -> None:
+def _play_asynchronously(episodes: list[_Episode], play: _Play) -> None:
     # A sampler that cannot serve calls from several threads (the in-process JAX one) takes them
     # one at a time; environments still step meanwhile.
     serial: contextlib.AbstractContextManager = (
-        contextlib.nullcontext() if getattr(sampler, "concurrent_calls", False) else threading.Lock()
+        contextlib.nullcontext() if getattr(play.sampler, "concurrent_calls", False) else threading.Lock()
     )
 
-    def play(i: int) -> None:
+    def run(i: int) -> None:
         episode = episodes[i]
-        for turn in range(config.max_steps):
+        for turn in range(play.config.max_steps):
             if episode.current.done:
                 return
-            prompt = prompt_of(episode)
-            with clock.busy("sampler"), serial:
-                [c] = sampler.generate([prompt[1]], dataclasses.replace(params, seed=seeds.derive(seed, turn, i)))
-            p = episode.parse(fmt, c)
-            with clock.busy("envs"):
-                result = envs.step_one(i, p.action or "")
+            prompt = play.prompt_of(episode)
+            with play.clock.busy("sampler"), serial:
+                params = dataclasses.replace(play.params, seed=seeds.derive(play.seed, turn, i))
+                [c] = play.sampler.generate([prompt[1]], params)
+            p = episode.parse(play.fmt, c)
+            with play.clock.busy("envs"):
+                result = play.envs.step_one(i, p.action or "")
             episode.advance(prompt, c, p, result)
 
     with concurrent.futures.ThreadPoolExecutor(len(episodes), thread_name_prefix="episode") as pool:
-        for future in [pool.submit(play, i) for i in range(len(episodes))]:
+        for future in [pool.submit(run, i) for i in range(len(episodes))]:
             future.result()
 
 
