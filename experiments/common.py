@@ -50,6 +50,19 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
         help="how a bundle is chosen (default: spearman, the paper's); "
         "gap-alignment replays every step once more with each candidate (its cost: time/selection_replay)",
     )
+    p.add_argument(
+        "--memory-examples",
+        type=int,
+        help="rubric memory (beyond the paper): the rubric writer's prompt shows the M best-recorded criteria "
+        "of the task's type (default 0: off)",
+    )
+    p.add_argument(
+        "--memory-candidate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="rubric memory: the remembered bundle of the task's type joins the K candidates (default: off)",
+    )
+    p.add_argument("--memory-size", type=int, help="rubric memory: criteria kept per task type (default 16)")
     p.add_argument("--coef", type=float, help="lambda: weight of the rubric correction")
     p.add_argument("--clip", type=float, help="c: the gap is clipped to [-c, c]")
     p.add_argument("--kl-coef", type=float, help="weight of the k3 KL to the initial policy (paper presets: 0.01)")
@@ -133,6 +146,9 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
             source=args.rubric_source,
             source_file=args.rubric_file,
             selection=args.selection,
+            memory_examples=args.memory_examples,
+            memory_candidate=args.memory_candidate,
+            memory_size=args.memory_size,
         ),
         loss=set_(c.loss, coef=args.coef, clip=args.clip, tis_cap=args.tis_cap, kl_coef=args.kl_coef),
         advantage=set_(c.advantage, normalize_std=args.normalize_std),

@@ -33,8 +33,10 @@ from orsd_jax.minibatches import train_minibatches, with_trainer_logprobs
 from orsd_jax.models import CausalLM, save_hf
 from orsd_jax.rollout import Group, collect_groups, rollout_metrics, tasks_for_update
 from orsd_jax.rubrics import GroupRubric, ParsedBundle, generate_bundles, rubric_metrics, verify_and_select
+from orsd_jax.rubrics import memory as rubric_memory
 from orsd_jax.rubrics import sources as rubric_sources
 from orsd_jax.rubrics.alignment import select_by_gap, trajectory_gaps
+from orsd_jax.rubrics.memory import RubricMemory
 from orsd_jax.samples import StepKey, step_samples
 from orsd_jax.services import Services
 from orsd_jax.train_step import TrainState
@@ -53,22 +55,35 @@ class UpdateResult:
     rubrics: tuple[GroupRubric, ...] | None
     index: tuple[StepKey, ...]
     recorded: tuple[RecordedMinibatch, ...]
+    memory: RubricMemory  # the rubric memory after the update (unchanged when it is off)
 
 
 def rubric_stage(
-    services: Services, state: TrainState, groups: Sequence[Group], update: int, metrics: dict[str, float]
-) -> list[GroupRubric]:
-    """K candidate bundles per group, verified and one selected; the stage's metrics go to ``metrics``."""
+    services: Services,
+    state: TrainState,
+    groups: Sequence[Group],
+    update: int,
+    metrics: dict[str, float],
+    memory: RubricMemory,
+) -> tuple[list[GroupRubric], RubricMemory]:
+    """K candidate bundles per group, verified and one selected, and the rubric memory after them;
+    the stage's metrics go to ``metrics``."""
     c, verifier = services.config, services.verifier
     assert verifier is not None and services.sampler is not None  # started by Services.start
     bundles: Sequence[Sequence[ParsedBundle]]
     with timed(metrics, "rubric_writing"):
         if c.rubric.source == "policy":
             seed = seeds.derive(c.seed, seeds.RUBRICS, update)
-            tokenizer, fmt = services.tokenizer, services.fmt
-            bundles = generate_bundles(services.sampler, groups, c.rubric, seed, tokenizer=tokenizer, fmt=fmt)
+            tokenizer, fmt, m = services.tokenizer, services.fmt, c.rubric.memory_examples
+            examples = [memory.examples(g.task.task_type, m) for g in groups] if m else None
+            bundles = generate_bundles(
+                services.sampler, groups, c.rubric, seed, tokenizer=tokenizer, fmt=fmt, examples=examples
+            )
         else:
             bundles = rubric_sources.candidates(c.rubric.source, [g.task for g in groups], **services.rubric_source)
+    offered: list[int | None] = [None] * len(groups)
+    if c.rubric.memory_candidate:
+        bundles, offered = rubric_memory.offer(memory, groups, bundles)
     before = dataclasses.replace(verifier.stats)
     targets = [rank_targets(g, c.rubric.rank_by, c.advantage) for g in groups]
     aligned = c.selection_mode == "gap-alignment"  # verified as spearman (logged), then chosen by the replay
@@ -78,6 +93,7 @@ def rubric_stage(
             verify_and_select(verifier, g, b, mode, rng, r, c.rubric.min_correlation)
             for g, b, r in progress(list(zip(groups, bundles, targets)), "verify")
         ]
+    verified = list(rubrics)
     if aligned:
         with timed(metrics, "selection_replay"):
             policy, temperature = services.policy(state), c.loss.temperature
@@ -85,6 +101,10 @@ def rubric_stage(
                 gaps = trajectory_gaps(policy, g, r.bundles, services.fmt, services.tokenizer, temperature=temperature)
                 rubrics[i] = dataclasses.replace(r, selection=select_by_gap(gaps, np.asarray(targets[i], float)))
     metrics |= rubric_metrics(rubrics)
+    if c.rubric.uses_memory:
+        remembered = rubric_memory.remember_selected(memory, groups, verified, rubrics, update + 1)
+        metrics |= rubric_memory.memory_metrics(memory, remembered, groups, rubrics, offered, update + 1)
+        memory = remembered
     metrics["rubric/update_without_rubric"] = float(not metrics["rubric/groups_with_rubric"])
     if not metrics["rubric/groups_with_rubric"]:
         reasons = ", ".join(
@@ -99,11 +119,14 @@ def rubric_stage(
     for field in dataclasses.fields(verifier.stats):
         change = getattr(verifier.stats, field.name) - getattr(before, field.name)
         metrics[f"verifier/{field.name}"] = float(change)
-    return rubrics
+    return rubrics, memory
 
 
-def run_update(services: Services, state: TrainState, update: int) -> tuple[TrainState, UpdateResult]:
-    """One update from ``state``: the new state and what the update measured and recorded."""
+def run_update(
+    services: Services, state: TrainState, update: int, memory: RubricMemory
+) -> tuple[TrainState, UpdateResult]:
+    """One update from ``state`` and the rubric memory: the new state and what the update measured,
+    recorded and remembered."""
     c = services.config
     metrics: dict[str, float] = {}
     assert services.sampler is not None and services.pool is not None  # started by Services.start
@@ -124,7 +147,9 @@ def run_update(services: Services, state: TrainState, update: int) -> tuple[Trai
         # The reward less the invalid-answer penalties: what GRPO's advantages normalise.
         group_returns = tuple(returns(g, c.advantage) for g in groups)
         metrics["env/return"] = float(np.mean(np.concatenate(group_returns)))
-        rubrics = rubric_stage(services, state, groups, update, metrics) if c.uses_rubrics else None
+        rubrics = None
+        if c.uses_rubrics:
+            rubrics, memory = rubric_stage(services, state, groups, update, metrics, memory)
         advantages = step_advantages(groups, c.method, c.advantage)
         samples, index = step_samples(groups, advantages, rubrics, services.fmt, services.tokenizer)
         rng = seeds.rng(c.seed, seeds.MINIBATCHES, update)
@@ -149,7 +174,7 @@ def run_update(services: Services, state: TrainState, update: int) -> tuple[Trai
         with timed(metrics, "weight_push"):
             services.sampler.push_weights(services.policy(trained.state), update + 1)
     rubric_tuple = None if rubrics is None else tuple(rubrics)
-    result = UpdateResult(metrics, tuple(groups), group_returns, rubric_tuple, tuple(index), trained.recorded)
+    result = UpdateResult(metrics, tuple(groups), group_returns, rubric_tuple, tuple(index), trained.recorded, memory)
     return trained.state, result
 
 
@@ -213,6 +238,7 @@ def train(
         raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     services = Services(config, out)
     c, state, start = services.config, services.initial_state, 0
+    memory = RubricMemory(size=c.rubric.memory_size)
     if not resume:  # written once, atomically: a resumed run keeps the record it started with
         partial = saved.with_suffix(".json.tmp")
         with refused_writes(
@@ -224,7 +250,8 @@ def train(
         shapes = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
         restored = services.checkpoints.restore_latest(jax.tree.map(shapes, state, services.sharding))
         if restored is not None:
-            start, state, _ = restored
+            start, state, meta = restored
+            memory = RubricMemory.from_json(meta["rubric_memory"]) if "rubric_memory" in meta else memory
             log.info("resumed from checkpoint %d", start)
     metrics_log = MetricsLog(out, truncate_after=start)
     try:
@@ -235,8 +262,10 @@ def train(
         for update in progress(range(start, c.updates), "updates", initial=start, total=c.updates):
             if stop_after is not None and update >= stop_after:
                 return out / "policy"
-            state, result = run_update(services, state, update)
-            metrics = result.metrics
+            state, result = run_update(services, state, update, memory)
+            metrics, memory = result.metrics, result.memory
+            if c.rubric.uses_memory:
+                rubric_memory.save(memory, out / "rubric_memory.json")
             if result.recorded:
                 r = result
                 with refused_writes(f"the credit record of update {update + 1}", out / "steps"):
@@ -254,6 +283,7 @@ def train(
                     "data_cursor": (update + 1) * c.n_tasks,
                     "verifier_cache": str(out / "verifier_cache"),
                     "config": json.loads(to_json(config)),
+                    **({"rubric_memory": memory.to_json()} if c.rubric.uses_memory else {}),
                 }
                 services.checkpoints.save(update + 1, state, meta)
         final = evaluate(services, c.updates)

@@ -101,14 +101,18 @@ def test_evaluation_tables_agree_with_the_step_transcript(reference, split):
 TIS = dataclasses.replace(preset("tiny").loss, tis_cap=2.0)
 
 
-# Three of them also run switches: truncated importance sampling, asynchronous episodes, the packed layout.
+# All but one also run switches: truncated importance sampling, asynchronous episodes, the packed
+# layout, the rubric memory (tiny runs select no rubric, so it stays empty: its records are unit-tested).
+MEMORY = dataclasses.replace(preset("tiny").rubric, memory_examples=2, memory_candidate=True)
+
+
 @pytest.mark.parametrize(
     "method, options",
     [
         ("grpo", {"loss": TIS, "old_logprobs": "trainer"}),
         ("gigpo", {"rollout": dataclasses.replace(preset("tiny").rollout, asynchronous=True)}),
         ("orsd-single", {"replay": "packed"}),
-        ("orsd-random", {}),
+        ("orsd-random", {"rubric": MEMORY}),
     ],
 )
 def test_each_method_runs_two_updates(method, options, tmp_path):
@@ -127,6 +131,9 @@ def test_each_method_runs_two_updates(method, options, tmp_path):
     else:
         assert not rubric_keys
     assert json.loads((tmp_path / "config.json").read_text())["method"] == method
+    if "rubric" in options:
+        assert {"rubric/memory/offered", "rubric/memory/wins", "rubric/memory/age"} <= keys
+        assert json.loads((tmp_path / "rubric_memory.json").read_text()) == {"size": 16, "entries": {}}
 
 
 def _start(out: pathlib.Path, *extra: str) -> subprocess.Popen:

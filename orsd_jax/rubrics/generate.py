@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from orsd_jax import chat
 from orsd_jax.envs.base import Task
 from orsd_jax.rollout import Group, Trajectory
-from orsd_jax.rubrics.parse import ParsedBundle, bundle_regex, parse_bundle
+from orsd_jax.rubrics.parse import MIN_CRITERIA, ParsedBundle, bundle_regex, parse_bundle
 from orsd_jax.rubrics.render import render_group
 from orsd_jax.sampling.base import Sampler, SamplingParams
 
@@ -52,6 +52,16 @@ class RubricConfig:
     # "random", or "gap-alignment" (``alignment``: the candidate whose replayed per-trajectory gap
     # rank-correlates best with the returns; one extra replay forward per step).
     selection: str = "spearman"
+    # Rubric memory (``memory``, beyond the paper; off): the writer's prompt shows this many of the
+    # best-recorded criteria of the task's type, and/or the remembered bundle of the type joins the
+    # K candidates; at most ``memory_size`` criteria are kept per type.
+    memory_examples: int = 0
+    memory_candidate: bool = False
+    memory_size: int = 16
+
+    @property
+    def uses_memory(self) -> bool:
+        return bool(self.memory_examples) or self.memory_candidate
 
     def __post_init__(self):
         from orsd_jax.rubrics.sources import SOURCES
@@ -66,12 +76,22 @@ class RubricConfig:
             raise ValueError(f"unknown rank target {self.rank_by!r}; expected one of {RANK_TARGETS}")
         if self.constrained:
             bundle_regex(self.criterion_chars)  # refuses a line length no criterion fits
+        if self.memory_examples and self.source != "policy":
+            raise ValueError("memory examples go into the writer's prompt: they need rubric source 'policy'")
+        if self.memory_size < MIN_CRITERIA:
+            raise ValueError(f"memory_size must hold a bundle ({MIN_CRITERIA} criteria), got {self.memory_size}")
+        if self.memory_examples < 0:
+            raise ValueError(f"memory_examples must be at least 0, got {self.memory_examples}")
 
 
-def rubric_prompt(task: str, attempts: str, n_attempts: int) -> str:
+def rubric_prompt(task: str, attempts: str, n_attempts: int, examples: Sequence[str] = ()) -> str:
+    """The writer's request; ``examples`` (the rubric memory's best criteria for tasks of this
+    kind) are shown before it, to reuse or improve on."""
+    shown = "".join(f"- {c}\n" for c in examples)
+    before = f"Criteria that separated better attempts at tasks of this kind before:\n{shown}\n" if examples else ""
     return (
         f"Several attempts by an agent at the same task are shown below.\n"
-        f"Task: {task}\n\n{attempts}\n\n"
+        f"Task: {task}\n\n{attempts}\n\n{before}"
         f"Compare the {n_attempts} attempts and write between 5 and 8 criteria about the process "
         "(which actions were chosen, in what order, what was checked or repeated) that separate "
         "better attempts from worse ones. Each criterion is one sentence that can be answered "
@@ -86,7 +106,13 @@ def rubric_insert(criteria: Sequence[str]) -> str:
 
 
 def group_prompt(
-    task: Task, trajectories: Sequence[Trajectory], config: RubricConfig, *, tokenizer, fmt: chat.ChatFormat
+    task: Task,
+    trajectories: Sequence[Trajectory],
+    config: RubricConfig,
+    *,
+    tokenizer,
+    fmt: chat.ChatFormat,
+    examples: Sequence[str] = (),
 ) -> list[int]:
     """The rubric writer's prompt for one group: every trajectory rendered within the token budget,
     halved until the whole prompt fits ``config.max_prompt_tokens``."""
@@ -97,7 +123,7 @@ def group_prompt(
     budget = config.trajectory_budget_tokens
     while True:
         attempts = render_group(trajectories, budget, count_tokens)
-        ids = chat.prompt_ids(fmt, tokenizer, rubric_prompt(task.description, attempts, len(trajectories)))
+        ids = chat.prompt_ids(fmt, tokenizer, rubric_prompt(task.description, attempts, len(trajectories), examples))
         if len(ids) <= config.max_prompt_tokens:
             return ids
         if budget <= 16:
@@ -116,10 +142,15 @@ def generate_bundles(
     *,
     tokenizer,
     fmt: chat.ChatFormat,
+    examples: Sequence[Sequence[str]] | None = None,
 ) -> list[tuple[ParsedBundle, ...]]:
-    """``K`` parsed bundles per group (valid or not), in one sampler call."""
-
-    prompts = [group_prompt(group.task, group.trajectories, config, tokenizer=tokenizer, fmt=fmt) for group in groups]
+    """``K`` parsed bundles per group (valid or not), in one sampler call; ``examples``: per group,
+    the criteria its writer's prompt shows (the rubric memory's)."""
+    shown = examples or [()] * len(groups)
+    prompts = [
+        group_prompt(g.task, g.trajectories, config, tokenizer=tokenizer, fmt=fmt, examples=e)
+        for g, e in zip(groups, shown)
+    ]
     params = SamplingParams(
         temperature=config.temperature,
         top_p=config.top_p,

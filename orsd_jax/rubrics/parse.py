@@ -83,7 +83,7 @@ def _clean(item: str) -> str:
     return " ".join(item.split()).strip(" \"'")
 
 
-def _key(item: str) -> str:
+def criterion_key(item: str) -> str:
     """Lower-case words without punctuation and without leading step or ordinal prefixes."""
     text, previous = item.lower().strip(), None
     while text != previous:
@@ -139,7 +139,7 @@ def _parse(text: str) -> ParsedBundle:
     for item in map(_clean, items):
         if not 3 <= len(re.findall(r"\w+", item)) <= 60:
             continue
-        key = _key(item)
+        key = criterion_key(item)
         if any(_repeats(key, earlier) for earlier in keys):
             repeats += 1
             continue
