@@ -87,6 +87,9 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--sampler", choices=["vllm", "jax"])
     p.add_argument(
+        "--sampler-servers", type=int, help="vLLM servers of the policy (groups are spread over them; default 1)"
+    )
+    p.add_argument(
         "--async-episodes",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -125,6 +128,7 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
         devices=args.devices,
         fsdp=args.fsdp,
         sampler=args.sampler,
+        sampler_servers=args.sampler_servers,
         eval_games=args.eval_games,
         seed=args.seed,
         strict=args.strict,

@@ -111,6 +111,8 @@ class TrainConfig:
     devices: int | None = None  # mesh size (None: every device)
     fsdp: bool = False
     sampler: str = "vllm"  # vllm | jax
+    # vLLM servers of the policy started by the trainer (one per GPU, say); groups are spread over them.
+    sampler_servers: int = 1
     eval_every: int = 0  # updates between evaluations (0: only after the last update)
     eval_games: int = 50  # tasks of the eval split swept per evaluation
     eval_temperature: float = 0.4
@@ -148,6 +150,8 @@ class TrainConfig:
             raise ValueError(f"ppo_epochs must be at least 1, got {self.ppo_epochs}")
         if self.group_size < 2:
             raise ValueError("group_size must be at least 2: advantages compare trajectories of a group")
+        if self.sampler_servers < 1 or (self.sampler_servers > 1 and self.sampler != "vllm"):
+            raise ValueError(f"sampler_servers {self.sampler_servers}: at least 1, and more only with the vLLM sampler")
         if self.rubric.constrained and self.sampler != "vllm":
             raise ValueError("rubric.constrained samples under a grammar, which only the vLLM sampler does")
         if self.loss.temperature != self.rollout.temperature:

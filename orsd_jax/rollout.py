@@ -274,7 +274,7 @@ def collect_groups(
         _Episode.prompt, config=config, build_prompt=build_prompt, fmt=fmt, tokenizer=tokenizer
     )
     loop = _play_asynchronously if config.asynchronous else _play_by_turns
-    loop(episodes, _Play(sampler, envs, config, params, seed, clock, prompt_of, fmt))
+    loop(episodes, _Play(sampler, envs, config, params, seed, clock, prompt_of, fmt, group_size))
     trajectories = [e.trajectory() for e in episodes]
     groups = tuple(
         Group(task=tasks[g], trajectories=tuple(trajectories[g * group_size : (g + 1) * group_size]))
@@ -308,6 +308,7 @@ class _Play:
     clock: _Clock
     prompt_of: Callable[[_Episode], Prompt]
     fmt: chat.ChatFormat
+    group_size: int  # episode i belongs to group i // group_size
 
 
 def _play_by_turns(episodes: list[_Episode], play: _Play) -> None:
@@ -319,7 +320,8 @@ def _play_by_turns(episodes: list[_Episode], play: _Play) -> None:
         with play.clock.busy("sampler"):
             # One seed per turn; samplers draw independent samples for the prompts of one call.
             params = dataclasses.replace(play.params, seed=seeds.derive(play.seed, turn))
-            completions = play.sampler.generate([ids for _, ids, _ in prompts], params)
+            groups = [i // play.group_size for i in live]
+            completions = play.sampler.generate([ids for _, ids, _ in prompts], params, groups)
         parsed = [episodes[i].parse(play.fmt, c) for i, c in zip(live, completions)]
         actions: list[str | None] = [None] * len(episodes)
         for i, p in zip(live, parsed):
@@ -347,7 +349,7 @@ def _play_asynchronously(episodes: list[_Episode], play: _Play) -> None:
             prompt = play.prompt_of(episode)
             with play.clock.busy("sampler"), serial:
                 params = dataclasses.replace(play.params, seed=seeds.derive(play.seed, turn, i))
-                [c] = play.sampler.generate([prompt[1]], params)
+                [c] = play.sampler.generate([prompt[1]], params, [i // play.group_size])
             p = episode.parse(play.fmt, c)
             with play.clock.busy("envs"):
                 result = play.envs.step_one(i, p.action or "")

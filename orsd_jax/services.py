@@ -114,35 +114,38 @@ def _max_len(config: TrainConfig) -> int:
 
 def _launch_servers(
     config: TrainConfig, directory: pathlib.Path, out: pathlib.Path
-) -> tuple[VLLMServer | None, VLLMServer | None]:
-    """The sampler's and the verifier's vLLM server processes (None where the run has none),
-    launched without waiting for them to answer."""
+) -> tuple[list[VLLMServer], VLLMServer | None]:
+    """The sampler's vLLM server processes (none for the in-process sampler) and the verifier's
+    (None where the run has none), launched without waiting for them to answer."""
     from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
 
-    sampler = verifier = None
+    samplers: list[VLLMServer] = []
+    verifier = None
     try:
         if config.sampler == "vllm":
             options = ServerOptions(max_model_len=_max_len(config), seed=config.seed)
-            sampler = VLLMServer(directory, options, log_path=out / "logs" / "sampler.log", wait=False)
+            for s in range(config.sampler_servers):
+                log_path = out / "logs" / ("sampler.log" if s == 0 else f"sampler-{s}.log")
+                samplers.append(VLLMServer(directory, options, log_path=log_path, wait=False))
         if config.uses_rubrics and config.verifier.kind == "local-vllm":
             options = ServerOptions(served_model_name="verifier", max_model_len=4096, seed=config.seed, dev_mode=False)
             verifier = VLLMServer(directory, options, log_path=out / "logs" / "verifier.log", wait=False)
     except BaseException:
-        if sampler is not None:
-            sampler.close()
+        for server in samplers:
+            server.close()
         raise
-    return sampler, verifier
+    return samplers, verifier
 
 
-def _make_sampler(config: TrainConfig, server: VLLMServer | None, model: CausalLM, tokenizer, out: pathlib.Path):
-    """The policy's sampler: on its vLLM server (started), or in process."""
-    if server is None:
+def _make_sampler(config: TrainConfig, servers: list[VLLMServer], model: CausalLM, tokenizer, out: pathlib.Path):
+    """The policy's sampler: on its vLLM servers (started), or in process."""
+    if not servers:
         from orsd_jax.sampling.jax_sampler import JaxSampler
 
         return JaxSampler(model, tokenizer, max_model_len=_max_len(config), seed=config.seed)
     from orsd_jax.sampling.vllm_sampler import VLLMSampler
 
-    return VLLMSampler(server, tokenizer, scratch_dir=out / "sampler_weights")
+    return VLLMSampler(servers, tokenizer, scratch_dir=out / "sampler_weights")
 
 
 def _make_verifier(
@@ -225,7 +228,7 @@ class Services:
         self.sampler: Sampler | None = None
         self.verifier: Verifier | None = None
         self.pool: EnvPool | None = None
-        self.sampler_server: VLLMServer | None = None
+        self.sampler_servers: list[VLLMServer] = []
         self.verifier_server: VLLMServer | None = None
 
     def start(self) -> None:
@@ -234,12 +237,12 @@ class Services:
         imports and files); everything waits in this thread, so that a failure or a signal
         anywhere reaches ``close()`` with every launched process recorded."""
         c = self.config
-        self.sampler_server, self.verifier_server = _launch_servers(c, self.initial_dir, self.out)
+        self.sampler_servers, self.verifier_server = _launch_servers(c, self.initial_dir, self.out)
         self.pool = EnvPool(self.suite.make_env, c.n_tasks * c.group_size, c.env.workers)
-        for server in (self.sampler_server, self.verifier_server):
+        for server in [*self.sampler_servers, self.verifier_server]:
             if server is not None:
                 server.wait_ready()
-        self.sampler = _make_sampler(c, self.sampler_server, self._model, self.tokenizer, self.out)
+        self.sampler = _make_sampler(c, self.sampler_servers, self._model, self.tokenizer, self.out)
         if c.uses_rubrics:
             self.verifier = _make_verifier(c, self.verifier_server, self.initial_dir, self.tokenizer, self.out)
 
@@ -247,7 +250,7 @@ class Services:
         return nnx.merge(self.graphdef, state.params)
 
     def close(self) -> None:
-        for resource in (self.pool, self.sampler, self.sampler_server, self.verifier_server):
+        for resource in (self.pool, self.sampler, *self.sampler_servers, self.verifier_server):
             if resource is not None:
                 resource.close()
         self.checkpoints.close()

@@ -197,7 +197,7 @@ class _Answers:
     def __init__(self, tokenizer, text):
         self.tokenizer, self.text = tokenizer, text
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, groups=None):
         from orsd_jax.sampling.base import Completion
 
         ids = tuple(self.tokenizer.encode(self.text, add_special_tokens=False))

@@ -7,6 +7,7 @@ test starts its own in a child process.
 
 import contextlib
 import dataclasses
+import functools
 import grp
 import json
 import os
@@ -29,7 +30,10 @@ from flax import nnx
 from transformers import AutoModelForCausalLM
 
 from orsd_jax import chat
+from orsd_jax.envs import EnvPool
+from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
 from orsd_jax.models import EMBEDDED, CausalLM, load_model, resolve
+from orsd_jax.rollout import RolloutConfig, collect_groups
 from orsd_jax.rubrics.verify import criterion_prompt
 from orsd_jax.sampling import SamplingError, SamplingParams
 from orsd_jax.sampling.vllm_sampler import VLLMSampler
@@ -365,6 +369,49 @@ def test_weight_push(sampler, embedded, prompts):
         sampler.push_weights(wrong, version=3)
     assert sampler.weight_version == 2 and sorted(p.name for p in sampler.scratch_dir.iterdir()) == ["weights-v2"]
     assert same_samples(sampler.generate(ids, greedy(stops, max_new_tokens=16)), first)
+
+
+def served_weights(server: VLLMServer) -> str | None:
+    """The weights directory the server's worker last loaded (None: the one it started with)."""
+    with server.http() as http:
+        return http.post("/collective_rpc", json={"method": "served_weights"}).json()["results"][0]
+
+
+def test_two_servers_serve_one_rollout_and_one_killed_is_restarted(sampler, embedded, served_dir, prompts, tmp_path):
+    """A sampler on two servers (the module's and a second): a push reaches both, each reports the
+    new weights; groups go to the server of their index; SIGKILL of one in the middle of a rollout
+    restarts it with the pushed weights while the other goes on, and every episode completes."""
+    model, tokenizer = embedded
+    second = VLLMServer(served_dir, OPTIONS)
+    two = VLLMSampler([sampler.server, second], tokenizer, scratch_dir=tmp_path / "weights")
+    try:
+        noisy = perturbed(model, 3)
+        two.push_weights(noisy, version=1)
+        assert [served_weights(s) for s in two.servers] == [str(tmp_path / "weights" / "weights-v1")] * 2
+        fmt = chat.chat_format(tokenizer)
+        tasks = load_split(default_games("easy", 0, 200, 50), "train")[:2]
+        rollout = RolloutConfig(max_steps=3, max_prompt_tokens=900, max_response_tokens=32, temperature=0.0)
+        killed = second.pid
+        with EnvPool(functools.partial(AlfworldEnv, max_steps=3), 4, n_workers=2) as pool:
+            killer = threading.Timer(2.0, os.kill, (killed, signal.SIGKILL))
+            killer.start()
+            groups, stats = collect_groups(
+                two, pool, tasks, 2, rollout, seed=0, tokenizer=tokenizer, fmt=fmt, build_prompt=build_prompt
+            )
+            killer.join()
+        assert second.pid != killed and second.alive() and sampler.server.alive()
+        assert [len(g.trajectories) for g in groups] == [2, 2] and stats.env_steps == sum(
+            len(t.steps) for g in groups for t in g.trajectories
+        )
+        assert all(len(t.steps) == 3 or t.won for g in groups for t in g.trajectories)
+        # The restarted server serves the pushed weights: group 1's answers have the noisy model's log-probs.
+        ids, stops = prompts
+        out = two.generate(ids[:2], greedy(stops, max_new_tokens=16), groups=[1, 1])
+        for completion, ours in zip(out, our_logprobs(noisy, ids[:2], out)):
+            np.testing.assert_allclose(completion.logprobs, ours, atol=1e-3)
+    finally:
+        two.close()
+        second.close()
 
 
 def test_server_that_fails_to_start_quotes_its_log(served_dir):

@@ -73,10 +73,13 @@ class Sampler(Protocol):
     max_model_len: int
     weight_version: int
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, groups: Sequence[int] | None = None
+    ) -> list[Completion]:
         """``len(prompts) * params.n`` completions, prompt-major (all samples of prompt 0 first).
 
-        ``max_new_tokens`` is clamped per prompt to the room left in the context.
+        ``max_new_tokens`` is clamped per prompt to the room left in the context. ``groups``: each
+        prompt's group, which a sampler on several servers uses to keep a group on one server.
         """
         ...
 

@@ -86,7 +86,9 @@ class JaxSampler:
     def close(self) -> None:
         pass
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, groups: Sequence[int] | None = None
+    ) -> list[Completion]:  # one model in this process: ``groups`` route nothing
         validate_prompts(prompt_token_ids, self.max_model_len, params)
         if params.regex is not None:
             raise SamplingError("JaxSampler samples without constraints; a regex needs the vLLM sampler")

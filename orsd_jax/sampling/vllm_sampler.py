@@ -51,22 +51,57 @@ class _ServerDown(Exception):
     """A request got no answer, or a 5xx: the server may have died."""
 
 
-class VLLMSampler:
-    """``Sampler`` on a vLLM server: started here from a model directory, or a given ``VLLMServer``.
+def _start_servers(model_dir: str | os.PathLike, options: ServerOptions, n: int) -> list[VLLMServer]:
+    """``n`` servers of ``model_dir``, starting side by side (each on its own socket)."""
+    if n < 1:
+        raise SamplingError(f"n_servers must be at least 1, got {n}")
+    servers: list[VLLMServer] = []
+    try:
+        for _ in range(n):
+            servers.append(VLLMServer(model_dir, options, wait=False))
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.close()
+        raise
+    return servers
 
-    A server given as an object is used but not closed here (its owner closes it). Pushed
-    weights go to ``scratch_dir`` (a temporary directory, removed on ``close()``, when not
-    given); only the latest pushed version is kept there. ``generate`` may be called from several
-    threads at once (asynchronous episodes); a server death they all see is restarted once.
+
+class _Endpoint:
+    """One server and what the sampler keeps for it: its HTTP client, and how often it was restarted
+    (under ``lock``, so that requests that failed together restart it once)."""
+
+    def __init__(self, server: VLLMServer, timeout_s: float, max_connections: int):
+        self.server = server
+        self.http = server.http(timeout_s=timeout_s, max_connections=max_connections)
+        self.restarts = 0
+        self.lock = threading.Lock()
+
+
+class VLLMSampler:
+    """``Sampler`` on vLLM servers: ``n_servers`` started here from a model directory, or given
+    ``VLLMServer`` objects (used but not closed here: their owner closes them).
+
+    With several servers, a prompt goes to server ``group % n`` (``generate(..., groups=)``: a
+    group's episodes share one server's prefix cache; without groups, prompt ``i`` to ``i % n``);
+    its seed does not depend on the server, so the same call draws the same samples on one server
+    or several. A weight push is written once and loaded by every server, then checked on each
+    (the worker reports the directory it loaded). A server that dies is restarted with the latest
+    pushed weights while the others go on, and its failed requests are sent once more. Pushed
+    weights go to ``scratch_dir`` (a temporary directory, removed on ``close()``, when not given);
+    only the latest version is kept there. ``generate`` may be called from several threads at once
+    (asynchronous episodes).
     """
 
     concurrent_calls = True
 
     def __init__(
         self,
-        model_dir_or_server: str | os.PathLike | VLLMServer,
+        model_dir_or_servers: str | os.PathLike | VLLMServer | Sequence[VLLMServer],
         tokenizer,
         *,
+        n_servers: int = 1,
         scratch_dir: str | os.PathLike | None = None,
         options: ServerOptions = ServerOptions(),
         max_concurrency: int = 64,
@@ -78,26 +113,41 @@ class VLLMSampler:
         # Absolute: the server resolves the paths it is sent against its own working directory.
         self.scratch_dir = pathlib.Path(scratch_dir or tempfile.mkdtemp(prefix="orsd_weights_")).resolve()
         self.scratch_dir.mkdir(parents=True, exist_ok=True)
-        if isinstance(model_dir_or_server, VLLMServer):
-            self.server, self._owns_server = model_dir_or_server, False
+        if isinstance(model_dir_or_servers, VLLMServer):
+            servers, self._owns_servers = [model_dir_or_servers], False
+        elif isinstance(model_dir_or_servers, (str, os.PathLike)):
+            servers, self._owns_servers = _start_servers(model_dir_or_servers, options, n_servers), True
         else:
-            self.server, self._owns_server = VLLMServer(model_dir_or_server, options), True
-        self.max_model_len = self.server.max_model_len
+            servers, self._owns_servers = list(model_dir_or_servers), False
+        if len({s.model_dir for s in servers}) != 1:
+            raise SamplingError(f"the servers serve different models: {sorted(str(s.model_dir) for s in servers)}")
+        self._endpoints = tuple(_Endpoint(s, request_timeout_s, max_concurrency) for s in servers)
+        self.max_model_len = min(s.max_model_len for s in servers)
         self.weight_version = 0
-        self._initial_dir = self.server.model_dir
+        self._initial_dir = servers[0].model_dir
         self._latest_dir: pathlib.Path | None = None  # the latest pushed weights
-        self._http = self.server.http(timeout_s=request_timeout_s, max_connections=max_concurrency)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-request")
-        self._restarts = 0  # servers started after the first, counted under _restart_lock
-        self._restart_lock = threading.Lock()
+
+    @property
+    def servers(self) -> tuple[VLLMServer, ...]:
+        return tuple(e.server for e in self._endpoints)
+
+    @property
+    def server(self) -> VLLMServer:
+        """The first server (the only one, unless ``n_servers`` > 1)."""
+        return self._endpoints[0].server
 
     # Generation.
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, groups: Sequence[int] | None = None
+    ) -> list[Completion]:
+        """``groups``: the group of each prompt, which decides its server (see the class)."""
         validate_prompts(prompt_token_ids, self.max_model_len, params)
         bodies = [self._request(list(map(int, p)), params, i) for i, p in enumerate(prompt_token_ids)]
+        routes = [(i if groups is None else groups[i]) % len(self._endpoints) for i in range(len(bodies))]
         version = self.weight_version
-        answers = self._post_all("/v1/completions", bodies)
+        answers = self._post_all("/v1/completions", bodies, routes)
         return [
             self._completion(choice, version)
             for answer in answers
@@ -140,33 +190,43 @@ class VLLMSampler:
     # Weights.
 
     def push_weights(self, model, version: int) -> None:
-        """Serves ``model``'s weights as ``version`` from now on (versions must increase)."""
+        """Serves ``model``'s weights as ``version`` from now on, on every server (versions must increase)."""
         if version <= self.weight_version:
             raise SamplingError(f"weight versions must increase: serving {self.weight_version}, got {version}")
         self._check_config(model.config)
         directory = self._write(model, version)
-        try:
-            self._with_recovery(lambda: self._reload(directory))
-        except BaseException as err:
+        loads = [self._pool.submit(self._load, e, directory) for e in self._endpoints]
+        errors = [error for error in (f.exception() for f in loads) if error is not None]
+        if errors:
             shutil.rmtree(directory)
-            if not isinstance(err, ServerError):
-                raise
-            # A failed in-place reload can leave the weights half replaced: start clean.
-            self.server.restart(self._serving_dir)
+            if not all(isinstance(e, ServerError) for e in errors):
+                raise next(e for e in errors if not isinstance(e, ServerError))
+            # A failed in-place reload can leave the weights half replaced, and the servers that
+            # loaded them serve a version the others do not: every server starts clean.
+            for endpoint in self._endpoints:
+                endpoint.server.restart(self._serving_dir)
             raise ServerError(
-                f"the server failed to load weights version {version} ({err}); "
-                f"it was restarted and serves version {self.weight_version}"
-            ) from err
+                f"{len(errors)} of {len(self._endpoints)} servers failed to load weights version {version} "
+                f"({errors[0]}); every server was restarted and serves version {self.weight_version}"
+            ) from errors[0]
         previous, self._latest_dir, self.weight_version = self._latest_dir, directory, version
         if previous is not None:
             shutil.rmtree(previous)
+
+    def _load(self, endpoint: _Endpoint, directory: pathlib.Path) -> None:
+        """Reloads ``directory`` in place on one server (restarting it once if it dies), then checks
+        that the server's worker reports it loaded that directory."""
+        self._with_recovery(endpoint, lambda: self._reload(endpoint, directory))
+        [served] = self._post(endpoint, "/collective_rpc", {"method": "served_weights"})["results"]
+        if served != str(directory):
+            raise ServerError(f"the server on {endpoint.server.unix_socket or endpoint.server.url} serves {served}")
 
     @property
     def _serving_dir(self) -> pathlib.Path | None:
         return self._latest_dir or self._initial_dir
 
     def _reference_dir(self) -> pathlib.Path:
-        """The directory the server started from: the architecture pushed weights must fit."""
+        """The directory the servers started from: the architecture pushed weights must fit."""
         if self._initial_dir is None:
             raise SamplingError(
                 f"the server at {self.server.url} does not serve a local model directory: "
@@ -196,16 +256,16 @@ class VLLMSampler:
         os.replace(partial, final)
         return final
 
-    def _reload(self, directory: pathlib.Path) -> None:
+    def _reload(self, endpoint: _Endpoint, directory: pathlib.Path) -> None:
         rpc = {"method": "reload_weights_and_tied_head", "kwargs": {"weights_path": str(directory)}}
-        self._post("/collective_rpc", rpc)
-        self._post("/reset_prefix_cache", None)
+        self._post(endpoint, "/collective_rpc", rpc)
+        self._post(endpoint, "/reset_prefix_cache", None)
 
     # HTTP and recovery.
 
-    def _post(self, path: str, body: dict | None) -> dict:
+    def _post(self, endpoint: _Endpoint, path: str, body: dict | None) -> dict:
         try:
-            response = self._http.post(path, json=body)
+            response = endpoint.http.post(path, json=body)
         except httpx2.TimeoutException as err:
             raise _ServerDown(f"{path}: no answer within {self.request_timeout_s:g} s ({err})") from err
         except httpx2.TransportError as err:  # refused, reset: no answer
@@ -216,28 +276,31 @@ class VLLMSampler:
             raise SamplingError(f"the vLLM server rejected {path} ({response.status_code}): {response.text[:1000]}")
         return response.json()
 
-    def _post_all(self, path: str, bodies: list[dict]) -> list[dict]:
-        """Posts concurrently; after a server death, restarts it and re-sends the failed ones once."""
-        sent_to = self._restarts
-        futures = [self._pool.submit(self._post, path, body) for body in bodies]
+    def _post_all(self, path: str, bodies: list[dict], routes: list[int]) -> list[dict]:
+        """Posts concurrently, ``bodies[i]`` to server ``routes[i]``; a server that died is restarted
+        (the others go on) and the requests it failed are sent to it once more."""
+        sent_to = [e.restarts for e in self._endpoints]
+        futures = [self._pool.submit(self._post, self._endpoints[r], path, b) for b, r in zip(bodies, routes)]
         answers: list = [f.exception() or f.result() for f in futures]
         failed = [i for i, a in enumerate(answers) if isinstance(a, BaseException)]
         if not failed:
             return answers
         if any(not isinstance(answers[i], _ServerDown) for i in failed):
             raise next(answers[i] for i in failed if not isinstance(answers[i], _ServerDown))
-        self._restart_dead_server(answers[failed[0]], sent_to)
-        retried = [self._pool.submit(self._post, path, bodies[i]) for i in failed]
+        for r in sorted({routes[i] for i in failed}):
+            down = next(answers[i] for i in failed if routes[i] == r)
+            self._restart_dead_server(self._endpoints[r], down, sent_to[r])
+        retried = [self._pool.submit(self._post, self._endpoints[routes[i]], path, bodies[i]) for i in failed]
         for i, future in zip(failed, retried):
             answers[i] = self._unwrap(future.result)
         return answers
 
-    def _with_recovery(self, call: Callable[[], object]) -> object:
-        sent_to = self._restarts
+    def _with_recovery(self, endpoint: _Endpoint, call: Callable[[], object]) -> object:
+        sent_to = endpoint.restarts
         try:
             return call()
         except _ServerDown as err:
-            self._restart_dead_server(err, sent_to)
+            self._restart_dead_server(endpoint, err, sent_to)
         return self._unwrap(call)
 
     @staticmethod
@@ -247,23 +310,24 @@ class VLLMSampler:
         except _ServerDown as err:
             raise ServerError(f"the vLLM server failed again after a restart: {err}") from err
 
-    def _restart_dead_server(self, err: _ServerDown, sent_to: int) -> None:
+    def _restart_dead_server(self, endpoint: _Endpoint, err: _ServerDown, sent_to: int) -> None:
         """Restarts the server that failed requests sent to its ``sent_to``-th start, unless
         another thread restarted it since (then the requests go to the new one)."""
-        with self._restart_lock:
-            if self._restarts != sent_to:
+        with endpoint.lock:
+            if endpoint.restarts != sent_to:
                 return
-            if self.server.alive():
+            if endpoint.server.alive():
                 raise ServerError(f"the vLLM server is up but failed a request: {err}") from err
-            self.server.restart(self._serving_dir)
-            self.max_model_len = self.server.max_model_len
-            self._restarts += 1
+            endpoint.server.restart(self._serving_dir)
+            self.max_model_len = min(e.server.max_model_len for e in self._endpoints)
+            endpoint.restarts += 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._http.close()
-        if self._owns_server:
-            self.server.close()
+        for endpoint in self._endpoints:
+            endpoint.http.close()
+            if self._owns_servers:
+                endpoint.server.close()
         if self._owns_scratch:
             shutil.rmtree(self.scratch_dir, ignore_errors=True)
 

@@ -9,6 +9,9 @@ model is new (measured: log-probs off by up to 0.25 after pushing a perturbed em
 The shared weight itself is updated; rebuilding the head's handle from it fixes the logits.
 On GPU the head reads the shared weight directly, and the extra step does nothing.
 
+``served_weights`` reports the directory last loaded, so that the sampler can check each server's
+version after a push.
+
 Imports nothing but ``typing``: it runs inside vLLM, which provides ``self.model_runner``.
 """
 
@@ -24,3 +27,8 @@ class WeightReload:
         head = getattr(model, "lm_head", None)
         if head is not None and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
             head.quant_method.process_weights_after_loading(head)
+        self._orsd_weights = weights_path
+
+    def served_weights(self) -> str | None:
+        """The directory last loaded by ``reload_weights_and_tied_head`` (None: the model it started with)."""
+        return getattr(self, "_orsd_weights", None)
