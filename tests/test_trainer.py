@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import resource
 import signal
@@ -136,7 +137,8 @@ def test_each_method_runs_two_updates(method, options, tmp_path):
         assert json.loads((tmp_path / "rubric_memory.json").read_text()) == {"size": 16, "entries": {}}
 
 
-def _start(out: pathlib.Path, *extra: str) -> subprocess.Popen:
+def _start(out: pathlib.Path, *extra: str, progress: bool = False) -> subprocess.Popen:
+    """The tiny run of 4 updates in ``out``; ``progress``: its stage bars on stderr (ORSD_PROGRESS)."""
     command = [
         sys.executable,
         "-m",
@@ -149,7 +151,8 @@ def _start(out: pathlib.Path, *extra: str) -> subprocess.Popen:
         str(out),
         *extra,
     ]
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, **({"ORSD_PROGRESS": "1"} if progress else {})}
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def test_exact_resume_after_sigkill(reference, tmp_path):
@@ -198,14 +201,24 @@ def _stop(proc: subprocess.Popen, sig: signal.Signals) -> None:
     assert not alive, [p.cmdline() for p in alive]
 
 
-def test_a_full_disk_sigterm_and_sigint_stop_cleanly_and_resume(tmp_path):
-    """Three stops of one run, each resumed from the checkpoint before it (exactness after a resume
-    is ``test_exact_resume_after_sigkill``'s).
+def _wait_for_training(proc: subprocess.Popen, update: int, of: int) -> None:
+    """Reads the run's stage bars until update ``update``'s training stage has begun."""
+    assert proc.stderr is not None
+    seen, deadline = "", time.time() + 600
+    while f"{update - 1}/{of}" not in seen or "train:" not in seen.rsplit(f"{update - 1}/{of}", 1)[1]:
+        assert proc.poll() is None and time.time() < deadline, seen[-3000:]
+        seen += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
+
+
+def test_a_full_disk_sigterm_and_sigint_stop_cleanly_and_resume(reference, tmp_path):
+    """Three stops of one run, each resumed from the checkpoint before it, and the run then ends
+    exactly where an uninterrupted one does.
 
     A full disk: once checkpoint 1 is written, the trainer (not its environment workers, started
     already) gets a 5 MB file-size limit (RLIMIT_FSIZE), which refuses checkpoint 2's data files
     (about 30 MB); the run stops with one line naming the checkpoint, the reason and the intact
-    one. Then SIGTERM and SIGINT: each exits within 30 s leaving none of its processes."""
+    one. Then SIGTERM as update 3 begins, and SIGINT in the middle of update 4's training stage: each
+    exits within 30 s leaving none of its processes."""
     out = tmp_path / "stopped"
     proc = _start(out)
     _wait_for_checkpoint(proc, out, 1)
@@ -221,10 +234,19 @@ def test_a_full_disk_sigterm_and_sigint_stop_cleanly_and_resume(tmp_path):
     _wait_for_checkpoint(proc, out, 2)
     _stop(proc, signal.SIGTERM)
     assert not [p for p in (out / "checkpoints").iterdir() if not p.name.isdigit()]  # Orbax's tmp directory gone
-    proc = _start(out, "--resume")
-    _wait_for_checkpoint(proc, out, 3)
+    proc = _start(out, "--resume", progress=True)
+    _wait_for_training(proc, 4, of=4)
     _stop(proc, signal.SIGINT)
-    assert {r["update"] for r in _metrics(out)} >= {1, 2, 3}
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())[-1] == "3"
+    proc = _start(out, "--resume")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    got, want = _metrics(out), _metrics(reference)
+    assert [r["update"] for r in got] == [1, 2, 3, 4, 4]
+    for a, b in zip(got, want):
+        assert _without_timing(a) == pytest.approx(_without_timing(b), rel=1e-6, abs=1e-7, nan_ok=True), a["update"]
+    for name, tensor in load_file(reference / "policy" / "model.safetensors").items():
+        np.testing.assert_array_equal(load_file(out / "policy" / "model.safetensors")[name], tensor, err_msg=name)
 
 
 def _command_lines(proc: subprocess.Popen) -> list[str]:
