@@ -1,8 +1,8 @@
 """Sampler throughput: output tokens/s of JaxSampler, VLLMSampler and transformers' generate.
 
 Usage: python benchmarks/sampler.py [--model NAME] [--batches 1 8 32] [--repeats 3]
-           [--prompt-tokens 500] [--new-tokens 64] [--samplers transformers jax vllm vllm-own-binding]
-           [--vllm-compiled] [--vllm-env KEY=VALUE ...]
+           [--prompt-tokens 500] [--new-tokens 64]
+           [--samplers transformers jax vllm vllm-own-binding vllm-compiled] [--vllm-env KEY=VALUE ...]
 
 Every sampler gets the same agent-like prompts (a household task, admissible actions and a
 history of steps, about --prompt-tokens tokens in the chat format), greedy decoding and no
@@ -11,7 +11,10 @@ vLLM's prefix cache gives no free prefill. Per batch size: one untimed warm-up r
 compilation, the server's first requests), then the median of --repeats timed runs. The
 samplers run one after the other, each with the machine to itself: transformers and JAX use
 every core, and so does vLLM's CPU worker as this project starts it; ``vllm-own-binding`` is vLLM
-with its own default, which keeps one core for its scheduler.
+with its own default, which keeps one core for its scheduler; ``vllm-compiled`` is vLLM in its
+torch.compile mode rather than eager. Each vLLM server's start-up time is printed; with both
+``vllm`` and ``vllm-compiled``, so is the break-even: how many generated tokens at each batch size
+repay the compiled mode's longer start-up.
 """
 
 from __future__ import annotations
@@ -130,9 +133,8 @@ def main() -> None:
         "--samplers",
         nargs="+",
         default=["transformers", "jax", "vllm", "vllm-own-binding"],
-        choices=["transformers", "jax", "vllm", "vllm-own-binding"],
+        choices=["transformers", "jax", "vllm", "vllm-own-binding", "vllm-compiled"],
     )
-    parser.add_argument("--vllm-compiled", action="store_true", help="torch.compile mode instead of eager")
     parser.add_argument(
         "--vllm-env",
         nargs="*",
@@ -170,28 +172,38 @@ def main() -> None:
         sampler = JaxSampler(model, tokenizer, max_model_len=max_model_len, max_batch=max(args.batches))
         bench("JaxSampler", sampler_runner(sampler, args.new_tokens))
         sampler.close()
-    # vLLM with this project's core binding (every core), and with vLLM's own (one core kept for
-    # its scheduler), for the comparison.
-    variants = {"vllm": {}, "vllm-own-binding": {"VLLM_CPU_OMP_THREADS_BIND": "auto"}}
+    # vLLM with this project's core binding (every core), with vLLM's own (one core kept for its
+    # scheduler), and compiled: (extra environment, eager).
+    variants = {
+        "vllm": ({}, True),
+        "vllm-own-binding": ({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, True),
+        "vllm-compiled": ({}, False),
+    }
     from orsd_jax.sampling.vllm_sampler import VLLMSampler
     from orsd_jax.sampling.vllm_server import ServerOptions
 
+    startup: dict[str, float] = {}
     for variant in (v for v in variants if v in args.samplers):
-        env = variants[variant] | dict(item.split("=", 1) for item in args.vllm_env)
+        extra, eager = variants[variant]
+        env = extra | dict(item.split("=", 1) for item in args.vllm_env)
         options = ServerOptions(
-            max_model_len=max_model_len,
-            dtype=model.config.param_dtype,
-            eager=not args.vllm_compiled,
-            cpu_kv_cache_gib=2,
-            env=env,
+            max_model_len=max_model_len, dtype=model.config.param_dtype, eager=eager, cpu_kv_cache_gib=2, env=env
         )
         start = time.perf_counter()
         with VLLMSampler(resolve(args.model), tokenizer, options=options) as sampler:
-            mode = "compiled" if args.vllm_compiled else "eager"
-            name = f"VLLMSampler ({mode}{', own binding' if variants[variant] else ''})"
-            print(f"  {name} ready in {time.perf_counter() - start:.0f} s", flush=True)
+            name = f"VLLMSampler ({'eager' if eager else 'compiled'}{', own binding' if extra else ''})"
+            startup[variant] = time.perf_counter() - start
+            print(f"  {name} ready in {startup[variant]:.0f} s", flush=True)
             bench(name, sampler_runner(sampler, args.new_tokens))
     print_table(rates, args.batches, "transformers")
+    if {"vllm", "vllm-compiled"} <= startup.keys():
+        eager_rates, compiled_rates = rates["VLLMSampler (eager)"], rates["VLLMSampler (compiled)"]
+        extra_s = startup["vllm-compiled"] - startup["vllm"]
+        print(f"\nstart-up: eager {startup['vllm']:.0f} s, compiled {startup['vllm-compiled']:.0f} s")
+        for batch in args.batches:
+            saved = 1 / eager_rates[batch] - 1 / compiled_rates[batch]  # seconds a token
+            tokens = f"{extra_s / saved:,.0f} generated tokens" if saved > 0 else "never (compiled is not faster)"
+            print(f"break-even at batch {batch}: {tokens}")
 
 
 if __name__ == "__main__":
