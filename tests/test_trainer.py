@@ -155,6 +155,16 @@ def _start(out: pathlib.Path, *extra: str, progress: bool = False) -> subprocess
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
 
 
+def _assert_same_run(out: pathlib.Path, reference: pathlib.Path) -> None:
+    """The run in ``out`` ended where the uninterrupted ``reference`` did: metrics and final weights."""
+    got, want = _metrics(out), _metrics(reference)
+    assert [r["update"] for r in got] == [1, 2, 3, 4, 4]
+    for a, b in zip(got, want):
+        assert _without_timing(a) == pytest.approx(_without_timing(b), rel=1e-6, abs=1e-7, nan_ok=True), a["update"]
+    for name, tensor in load_file(reference / "policy" / "model.safetensors").items():
+        np.testing.assert_array_equal(load_file(out / "policy" / "model.safetensors")[name], tensor, err_msg=name)
+
+
 def test_exact_resume_after_sigkill(reference, tmp_path):
     out = tmp_path / "killed"
     proc = _start(out)
@@ -173,12 +183,7 @@ def test_exact_resume_after_sigkill(reference, tmp_path):
     assert resumed.returncode == 0, err[-3000:]
     assert "dropping its last line, cut short" in err
     assert (out / "config.json").stat().st_mtime_ns == config_record  # not rewritten on resume
-    got, want = _metrics(out), _metrics(reference)
-    assert [r["update"] for r in got] == [1, 2, 3, 4, 4]
-    for a, b in zip(got, want):
-        assert _without_timing(a) == pytest.approx(_without_timing(b), rel=1e-6, abs=1e-7, nan_ok=True), a["update"]
-    for name, tensor in load_file(reference / "policy" / "model.safetensors").items():
-        np.testing.assert_array_equal(load_file(out / "policy" / "model.safetensors")[name], tensor, err_msg=name)
+    _assert_same_run(out, reference)
 
 
 def _wait_for_checkpoint(proc: subprocess.Popen, out: pathlib.Path, update: int) -> None:
@@ -241,12 +246,7 @@ def test_a_full_disk_sigterm_and_sigint_stop_cleanly_and_resume(reference, tmp_p
     proc = _start(out, "--resume")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-    got, want = _metrics(out), _metrics(reference)
-    assert [r["update"] for r in got] == [1, 2, 3, 4, 4]
-    for a, b in zip(got, want):
-        assert _without_timing(a) == pytest.approx(_without_timing(b), rel=1e-6, abs=1e-7, nan_ok=True), a["update"]
-    for name, tensor in load_file(reference / "policy" / "model.safetensors").items():
-        np.testing.assert_array_equal(load_file(out / "policy" / "model.safetensors")[name], tensor, err_msg=name)
+    _assert_same_run(out, reference)
 
 
 def _command_lines(proc: subprocess.Popen) -> list[str]:
