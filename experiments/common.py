@@ -112,6 +112,17 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--strict", action="store_true", default=None, help="stop when an ORSD update gets no rubric in any group"
     )
+    p.add_argument(
+        "--coordinator",
+        help="several JAX processes: host:port of process 0's coordinator (default $JAX_COORDINATOR_ADDRESS)",
+    )
+    p.add_argument("--processes", type=int, help="several JAX processes: how many (default $JAX_NUM_PROCESSES, else 1)")
+    p.add_argument("--process-id", type=int, help="several JAX processes: this one's (default $JAX_PROCESS_ID)")
+    p.add_argument(
+        "--detect-cluster",
+        action="store_true",
+        help="several JAX processes: read what is unset from SLURM or Open MPI (JAX's cluster detection)",
+    )
     p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: end the process early
     return p
 
@@ -174,8 +185,8 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
     return c
 
 
-def plan(config: TrainConfig) -> tuple[str, bool]:
-    """The dry-run report and whether the plan fits the devices."""
+def plan(config: TrainConfig, processes: int = 1) -> tuple[str, bool]:
+    """The dry-run report (for ``processes`` JAX processes) and whether the plan fits the devices."""
     from orsd_jax import estimate
     from orsd_jax.models import ModelConfig, resolve
 
@@ -205,6 +216,14 @@ def plan(config: TrainConfig) -> tuple[str, bool]:
     lines = [
         f"preset {c.preset}, method {c.method}, environment {c.env.name}, model {c.model.name}",
         f"devices: {devices} ({'FSDP' if c.fsdp else 'replicated'} parameters), mesh ('data',) = ({devices},)",
+        f"processes: {processes}"
+        + (
+            f", {devices // processes} devices each; process 0 runs the sampler's {c.sampler_servers} vLLM server(s), "
+            "the environments, the rubric stage and the run's files, every process its rows of each minibatch "
+            "and its share of the checkpoints"
+            if processes > 1
+            else ""
+        ),
         f"parameters: {e.params / 1e9:.2f} B ({c.model.dtype}), compute {model.compute_dtype}, remat {model.remat}",
         f"minibatch: {c.minibatch_rows} rows x {seq_len} tokens (prompt {c.rollout.max_prompt_tokens}, rubric {rubric_tokens}, "
         f"2 x (tail 8 + response {c.rollout.max_response_tokens})), {c.micro_batches} micro-batches",
@@ -265,10 +284,19 @@ def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     args = parser(env, doc).parse_args(argv)  # before any game loads: the planner overwrites sys.argv
     console_logging()
     config = config_from_args(env, args)
+    from orsd_jax import distributed
+
+    launch = distributed.Launch.from_environment(
+        coordinator=args.coordinator, processes=args.processes, process_id=args.process_id
+    )
     if args.dry_run:
-        report, fits = plan(config)
+        processes = launch.processes or 1
+        if (config.devices or 1) % processes:
+            raise SystemExit(f"--devices {config.devices or 1} do not split over {processes} processes")
+        report, fits = plan(config, processes)
         print(report)
         sys.exit(0 if fits else 2)
+    distributed.initialize(dataclasses.replace(launch, detect=args.detect_cluster))
     from orsd_jax.trainer import train
 
     out = pathlib.Path(args.out or f"runs/{config.preset}-{env}-{config.method}")
@@ -286,6 +314,8 @@ def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     except Stopped as stop:  # asked to: nothing to debug either
         print(f"stopped by {stop}: run again with --resume to continue from the last checkpoint", file=sys.stderr)
         sys.exit(128 + stop.signum)
+    if not distributed.is_main():
+        return
     from orsd_jax.credit import recorded_updates
 
     if recorded_updates(out):

@@ -82,6 +82,29 @@ class StepSample:
     sampler_logprobs: Sequence[float] | None = None
 
 
+def samples_to_json(samples: Sequence[StepSample]) -> list[dict]:
+    """Step samples as JSON values (``distributed.from_main``); ``samples_from_json`` reads them back
+    exactly (floats round-trip through their repr)."""
+    floats = lambda xs: None if xs is None else [float(x) for x in xs]  # noqa: E731
+    return [
+        {
+            "prefix": [int(t) for t in s.prefix],
+            "tail": [int(t) for t in s.tail],
+            "response": [int(t) for t in s.response],
+            "old_logprobs": floats(s.old_logprobs),
+            "advantage": float(s.advantage),
+            "insert": [int(t) for t in s.insert],
+            "ref_logprobs": floats(s.ref_logprobs),
+            "sampler_logprobs": floats(s.sampler_logprobs),
+        }
+        for s in samples
+    ]
+
+
+def samples_from_json(rows: Sequence[dict]) -> list[StepSample]:
+    return [StepSample(**row) for row in rows]
+
+
 @flax.struct.dataclass
 class Batch:
     """Packed step samples (numpy on the host; the jitted step takes it as a pytree of arrays)."""

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike
 
+from orsd_jax import distributed
 from orsd_jax.batch import Batch, StepSample, build_batch
 from orsd_jax.credit import RecordedMinibatch
 from orsd_jax.loss import OrsdLoss
@@ -86,6 +87,8 @@ def train_minibatches(
         counts["row_tokens"] += read
         counts["row_slots"] += slots
         state, step_metrics, values = train_step(state, batch, spec.micro_batches, reference)
+        if not mismatch or (record and epoch == 0):
+            values = distributed.local(values)  # several processes: a collective, at the same steps in each
         if not mismatch:  # the first step's log-probs are at the rollout's parameters
             sampler = batch.old_logp if batch.sampler_logp is None else batch.sampler_logp
             mismatch = logprob_mismatch(np.asarray(values["logp_without"]), sampler, batch.response_mask)
@@ -129,7 +132,7 @@ def with_trainer_logprobs(
     for start in range(0, len(samples), spec.rows):
         chunk = samples[start : start + spec.rows]
         batch = minibatch([dataclasses.replace(s, insert=()) for s in chunk], spec)
-        logp = np.asarray(forward(params, batch))[batch.sample_slots()]
+        logp = np.asarray(distributed.local(forward(params, batch)))[batch.sample_slots()]
         out += [
             dataclasses.replace(s, old_logprobs=logp[i, : len(s.response)].tolist(), sampler_logprobs=s.old_logprobs)
             for i, s in enumerate(chunk)

@@ -12,8 +12,10 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from orsd_jax import chat
+from orsd_jax import chat, distributed
 from orsd_jax.checkpoints import Checkpoints
 from orsd_jax.config import TrainConfig
 from orsd_jax.envs.base import Task, TextEnv
@@ -22,7 +24,7 @@ from orsd_jax.loss import OrsdLoss, response_logprobs
 from orsd_jax.models import CausalLM, ModelConfig, cache_dir, load_model, resolve, save_hf
 from orsd_jax.rollout import PromptBuilder
 from orsd_jax.rubrics import sources as rubric_sources
-from orsd_jax.train_step import TrainState, init_train_state, make_mesh, make_optimizer, make_train_step
+from orsd_jax.train_step import DATA, TrainState, init_train_state, make_mesh, make_optimizer, make_train_step
 
 if typing.TYPE_CHECKING:
     from orsd_jax.envs.webshop.goals import Split
@@ -186,8 +188,11 @@ class Services:
         self.out = out = pathlib.Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax_compile"))
-        self.suite = make_suite(config)
-        model, self.tokenizer, self.initial_dir = initial_policy(config, out)
+        # Process 0 first: it fills the caches (generated games, the warm start) the others read.
+        self.suite = distributed.main_first("suite", lambda: make_suite(config))
+        model, self.tokenizer, self.initial_dir = distributed.main_first(
+            "initial policy", lambda: initial_policy(config, out)
+        )
         self.fmt = chat.chat_format(self.tokenizer)
         mesh = make_mesh(config.devices)
         if config.minibatch_rows % (mesh.size * config.micro_batches):
@@ -209,11 +214,15 @@ class Services:
             OrsdLoss(config.loss), optimizer, self.graphdef, self.sharding, with_reference
         )
         graphdef, temperature = self.graphdef, config.loss.temperature
-        self.old_logprobs = jax.jit(
+        by_rows = NamedSharding(mesh, P(DATA))
+        forward = jax.jit(
             lambda params, batch: response_logprobs(
                 nnx.merge(graphdef, params), batch, temperature=temperature, with_rubric=False
-            )[1]
+            )[1],
+            in_shardings=(self.sharding.params, by_rows),
+            out_shardings=by_rows,
         )
+        self.old_logprobs = lambda params, batch: forward(params, distributed.to_global(batch, by_rows))
         self.checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
         # What the non-policy rubric sources read: the oracle, or the user's file (checked now).
         r = config.rubric
@@ -237,6 +246,8 @@ class Services:
         imports and files); everything waits in this thread, so that a failure or a signal
         anywhere reaches ``close()`` with every launched process recorded."""
         c = self.config
+        if not distributed.is_main():  # process 0 plays the episodes (distributed.py)
+            return
         self.sampler_servers, self.verifier_server = _launch_servers(c, self.initial_dir, self.out)
         self.pool = EnvPool(self.suite.make_env, c.n_tasks * c.group_size, c.env.workers)
         for server in [*self.sampler_servers, self.verifier_server]:
@@ -247,7 +258,9 @@ class Services:
             self.verifier = _make_verifier(c, self.verifier_server, self.initial_dir, self.tokenizer, self.out)
 
     def policy(self, state: TrainState) -> CausalLM:
-        return nnx.merge(self.graphdef, state.params)
+        """The policy of ``state`` on this process's devices (several processes: every process
+        asks at the same point, ``distributed.local``)."""
+        return nnx.merge(self.graphdef, distributed.local(state.params))
 
     def close(self) -> None:
         for resource in (self.pool, self.sampler, *self.sampler_servers, self.verifier_server):

@@ -25,12 +25,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
+from orsd_jax import distributed
 from orsd_jax.batch import Batch
 
 if TYPE_CHECKING:
@@ -119,6 +121,8 @@ def init_train_state(
     """``(graphdef, state, state_sharding)``: the model's static graph, and its train state placed on
     ``mesh`` (replicated, or FSDP-sharded) with the optimizer state created in place."""
     graphdef, params = nnx.split(model)
+    if distributed.multi():  # each process's own copy of the weights, as one replicated input
+        params = jax.tree.map(np.asarray, params)
     init = functools.partial(_initial_state, optimizer)
     sharding = state_shardings(jax.eval_shape(init, params), mesh, fsdp)
     return graphdef, jax.jit(init, out_shardings=sharding)(params), sharding
@@ -236,8 +240,9 @@ def make_train_step(
     every call passes ``reference``, frozen parameters sharded like ``state.params`` (placed once,
     never donated), which the loss reads as a model.
 
-    The input state is donated. The batch may be numpy: it is split over ``"data"`` on the way
-    in, so its row count must divide evenly (``build_batch(..., batch_multiple=devices *
+    The input state is donated. The batch may be numpy (the same on every process of a
+    multi-process run, ``distributed.to_global``): it is split over ``"data"`` on the way in, so
+    its row count must divide evenly (``build_batch(..., batch_multiple=devices *
     micro_batches)``). Metrics are replicated scalars: ``loss`` (token mean), ``grad_norm``
     (before clipping), ``tokens``, the loss's own metrics and the sums they come from (``sum/*``).
     """
@@ -250,9 +255,10 @@ def make_train_step(
         metrics = metrics | {"loss": loss_value, "grad_norm": optax.tree.norm(grads)}
         return TrainState(params, opt_state, state.step + 1), metrics, rows
 
+    by_rows = NamedSharding(mesh, P(DATA))
     jitted = jax.jit(
         step,
-        in_shardings=(state_sharding, NamedSharding(mesh, P(DATA)), state_sharding.params if with_reference else None),
+        in_shardings=(state_sharding, by_rows, state_sharding.params if with_reference else None),
         out_shardings=(state_sharding, NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA))),
         static_argnums=3,
         donate_argnums=0,
@@ -264,6 +270,6 @@ def make_train_step(
                 f"this step was built with_reference={with_reference}; reference parameters "
                 f"{'missing' if with_reference else 'given'}"
             )
-        return jitted(state, batch, reference, micro_batches)
+        return jitted(state, distributed.to_global(batch, by_rows), reference, micro_batches)
 
     return call

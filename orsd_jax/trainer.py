@@ -23,8 +23,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from orsd_jax import evaluation, seeds
+from orsd_jax import distributed, evaluation, seeds
 from orsd_jax.advantages import rank_targets, returns, step_advantages
+from orsd_jax.batch import StepSample, samples_from_json, samples_to_json
 from orsd_jax.checkpoints import refused_writes
 from orsd_jax.config import TrainConfig, from_json, to_json
 from orsd_jax.credit import RecordedMinibatch, save_credit
@@ -60,14 +61,15 @@ class UpdateResult:
 
 def rubric_stage(
     services: Services,
-    state: TrainState,
+    policy: CausalLM | None,
     groups: Sequence[Group],
     update: int,
     metrics: dict[str, float],
     memory: RubricMemory,
 ) -> tuple[list[GroupRubric], RubricMemory]:
     """K candidate bundles per group, verified and one selected, and the rubric memory after them;
-    the stage's metrics go to ``metrics``."""
+    the stage's metrics go to ``metrics``. ``policy``: the rollouts' policy, which gap alignment
+    replays (None otherwise)."""
     c, verifier = services.config, services.verifier
     assert verifier is not None and services.sampler is not None  # started by Services.start
     bundles: Sequence[Sequence[ParsedBundle]]
@@ -95,8 +97,9 @@ def rubric_stage(
         ]
     verified = list(rubrics)
     if aligned:
+        assert policy is not None
         with timed(metrics, "selection_replay"):
-            policy, temperature = services.policy(state), c.loss.temperature
+            temperature = c.loss.temperature
             for i, (g, r) in enumerate(zip(groups, rubrics)):
                 gaps = trajectory_gaps(policy, g, r.bundles, services.fmt, services.tokenizer, temperature=temperature)
                 rubrics[i] = dataclasses.replace(r, selection=select_by_gap(gaps, np.asarray(targets[i], float)))
@@ -122,36 +125,67 @@ def rubric_stage(
     return rubrics, memory
 
 
+@dataclasses.dataclass(frozen=True)
+class Played:
+    """An update's episodes and their step samples, ready to train on (process 0's work; the
+    other processes of a run hold only the samples)."""
+
+    groups: tuple[Group, ...]
+    returns: tuple[np.ndarray, ...]  # [G] per group: the reward less the invalid-answer penalties
+    rubrics: tuple[GroupRubric, ...] | None
+    samples: tuple[StepSample, ...]
+    index: tuple[StepKey, ...]
+    memory: RubricMemory
+
+
+def play(
+    services: Services, policy: CausalLM | None, update: int, memory: RubricMemory, metrics: dict[str, float]
+) -> Played:
+    """The update's rollouts, (ORSD) its rubric stage, and advantages per step sample; the stages'
+    metrics go to ``metrics``. ``policy``: the rollouts' policy when the rubric stage replays it."""
+    c = services.config
+    assert services.sampler is not None and services.pool is not None  # started by Services.start
+    tasks = tasks_for_update(services.suite.train, c.n_tasks, c.seed, update)
+    groups, stats = collect_groups(
+        services.sampler,
+        services.pool,
+        tasks,
+        c.group_size,
+        c.rollout,
+        seeds.derive(c.seed, seeds.ROLLOUT, update),
+        tokenizer=services.tokenizer,
+        fmt=services.fmt,
+        build_prompt=services.suite.build_prompt,
+    )
+    metrics |= rollout_metrics(groups, stats)
+    # The reward less the invalid-answer penalties: what GRPO's advantages normalise.
+    group_returns = tuple(returns(g, c.advantage) for g in groups)
+    metrics["env/return"] = float(np.mean(np.concatenate(group_returns)))
+    rubrics = None
+    if c.uses_rubrics:
+        rubrics, memory = rubric_stage(services, policy, groups, update, metrics, memory)
+    advantages = step_advantages(groups, c.method, c.advantage)
+    samples, index = step_samples(groups, advantages, rubrics, services.fmt, services.tokenizer)
+    rubric_tuple = None if rubrics is None else tuple(rubrics)
+    return Played(tuple(groups), group_returns, rubric_tuple, tuple(samples), tuple(index), memory)
+
+
 def run_update(
     services: Services, state: TrainState, update: int, memory: RubricMemory
 ) -> tuple[TrainState, UpdateResult]:
     """One update from ``state`` and the rubric memory: the new state and what the update measured,
-    recorded and remembered."""
+    recorded and remembered. Several processes: process 0 plays, every process trains on the
+    same step samples (``distributed``); the others' result holds no episodes."""
     c = services.config
     metrics: dict[str, float] = {}
-    assert services.sampler is not None and services.pool is not None  # started by Services.start
     with timed(metrics, "update"):
-        tasks = tasks_for_update(services.suite.train, c.n_tasks, c.seed, update)
-        groups, stats = collect_groups(
-            services.sampler,
-            services.pool,
-            tasks,
-            c.group_size,
-            c.rollout,
-            seeds.derive(c.seed, seeds.ROLLOUT, update),
-            tokenizer=services.tokenizer,
-            fmt=services.fmt,
-            build_prompt=services.suite.build_prompt,
+        policy = services.policy(state) if c.selection_mode == "gap-alignment" else None
+        played = play(services, policy, update, memory, metrics) if distributed.is_main() else None
+        samples = distributed.from_main(
+            f"samples/{update}", list(played.samples) if played else None, samples_to_json, samples_from_json
         )
-        metrics |= rollout_metrics(groups, stats)
-        # The reward less the invalid-answer penalties: what GRPO's advantages normalise.
-        group_returns = tuple(returns(g, c.advantage) for g in groups)
-        metrics["env/return"] = float(np.mean(np.concatenate(group_returns)))
-        rubrics = None
-        if c.uses_rubrics:
-            rubrics, memory = rubric_stage(services, state, groups, update, metrics, memory)
-        advantages = step_advantages(groups, c.method, c.advantage)
-        samples, index = step_samples(groups, advantages, rubrics, services.fmt, services.tokenizer)
+        if played is None:
+            played = Played((), (), None, tuple(samples), (), memory)
         rng = seeds.rng(c.seed, seeds.MINIBATCHES, update)
         orders = [rng.permutation(len(samples)) for _ in range(c.ppo_epochs)]
         spec = services.minibatch_spec
@@ -171,10 +205,12 @@ def run_update(
         metrics["train/step_samples"] = float(len(samples))
         metrics["train/tokens_per_s"] = counts["tokens"] / metrics["time/train"]
         metrics["train/row_tokens_per_s"] = counts["row_tokens"] / metrics["time/train"]
-        with timed(metrics, "weight_push"):
-            services.sampler.push_weights(services.policy(trained.state), update + 1)
-    rubric_tuple = None if rubrics is None else tuple(rubrics)
-    result = UpdateResult(metrics, tuple(groups), group_returns, rubric_tuple, tuple(index), trained.recorded, memory)
+        policy = services.policy(trained.state)
+        if services.sampler is not None:  # process 0
+            with timed(metrics, "weight_push"):
+                services.sampler.push_weights(policy, update + 1)
+    p = played
+    result = UpdateResult(metrics, p.groups, p.returns, p.rubrics, p.index, trained.recorded, p.memory)
     return trained.state, result
 
 
@@ -239,7 +275,8 @@ def train(
     services = Services(config, out)
     c, state, start = services.config, services.initial_state, 0
     memory = RubricMemory(size=c.rubric.memory_size)
-    if not resume:  # written once, atomically: a resumed run keeps the record it started with
+    main = distributed.is_main()  # writes the run's files (distributed.py)
+    if not resume and main:  # written once, atomically: a resumed run keeps the record it started with
         partial = saved.with_suffix(".json.tmp")
         with refused_writes(
             "the run's config", saved, "nothing is trained yet: free space there, then start the run again"
@@ -253,29 +290,38 @@ def train(
             start, state, meta = restored
             memory = RubricMemory.from_json(meta["rubric_memory"]) if "rubric_memory" in meta else memory
             log.info("resumed from checkpoint %d", start)
-    metrics_log = MetricsLog(out, truncate_after=start)
+    metrics_log = MetricsLog(out, truncate_after=start) if main else None
     try:
         services.start()
-        assert services.sampler is not None
         if start:
-            services.sampler.push_weights(services.policy(state), start)
+            policy = services.policy(state)
+            if services.sampler is not None:
+                services.sampler.push_weights(policy, start)
         for update in progress(range(start, c.updates), "updates", initial=start, total=c.updates):
             if stop_after is not None and update >= stop_after:
                 return out / "policy"
             state, result = run_update(services, state, update, memory)
             metrics, memory = result.metrics, result.memory
-            if c.rubric.uses_memory:
-                rubric_memory.save(memory, out / "rubric_memory.json")
-            if result.recorded:
-                r = result
-                with refused_writes(f"the credit record of update {update + 1}", out / "steps"):
-                    save_credit(
-                        out, update + 1, r.groups, r.returns, r.rubrics, r.index, r.recorded, services.suite.make_env
-                    )
-            if c.eval_every and (update + 1) % c.eval_every == 0 and update + 1 < c.updates:
-                metrics |= evaluate(services, update + 1)
-            metrics_log.write(update + 1, metrics)
-            log.info(update_line(update + 1, c.updates, metrics))
+            if metrics_log is not None:
+                if c.rubric.uses_memory:
+                    rubric_memory.save(memory, out / "rubric_memory.json")
+                if result.recorded:
+                    r = result
+                    with refused_writes(f"the credit record of update {update + 1}", out / "steps"):
+                        save_credit(
+                            out,
+                            update + 1,
+                            r.groups,
+                            r.returns,
+                            r.rubrics,
+                            r.index,
+                            r.recorded,
+                            services.suite.make_env,
+                        )
+                if c.eval_every and (update + 1) % c.eval_every == 0 and update + 1 < c.updates:
+                    metrics |= evaluate(services, update + 1)
+                metrics_log.write(update + 1, metrics)
+                log.info(update_line(update + 1, c.updates, metrics))
             if (update + 1) % c.checkpoint_every == 0 or update + 1 == c.updates:
                 meta = {
                     "update": update + 1,
@@ -285,10 +331,17 @@ def train(
                     "config": json.loads(to_json(config)),
                     **({"rubric_memory": memory.to_json()} if c.rubric.uses_memory else {}),
                 }
-                services.checkpoints.save(update + 1, state, meta)
-        final = evaluate(services, c.updates)
-        metrics_log.write(c.updates, final, final=True)
-        return export_policy(services.policy(state), services.tokenizer, out / "policy")
+                distributed.wait_for_main(f"checkpoint/{update + 1}")
+                services.checkpoints.save(update + 1, state, meta)  # Orbax: process 0 writes the meta
+        if metrics_log is not None:
+            final = evaluate(services, c.updates)
+            metrics_log.write(c.updates, final, final=True)
+        distributed.wait_for_main("export")
+        policy = services.policy(state)
+        if not main:
+            return out / "policy"
+        return export_policy(policy, services.tokenizer, out / "policy")
     finally:
-        metrics_log.close()
+        if metrics_log is not None:
+            metrics_log.close()
         services.close()

@@ -2,6 +2,8 @@
 the loss configuration they run, fast compilation and tree comparisons."""
 
 import functools
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -112,3 +114,23 @@ def max_tree_diff(a, b) -> float:
 def assert_trees_close(a, b, tol=1e-5):
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol, err_msg=jax.tree_util.keystr(path))
+
+
+# Wall-clock figures of a run's metrics.jsonl, which no two runs share.
+TIMING = (
+    "time/",
+    "rollout/generated_tokens_per_s",
+    "rollout/env_steps_per_s",
+    "train/tokens_per_s",
+    "train/row_tokens_per_s",
+    "verifier/latency_s",
+)
+
+
+def run_metrics(run: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timing(record: dict) -> dict:
+    """The record less wall-clock figures; NaN (logged as null) compares equal to itself."""
+    return {k: float("nan") if v is None else v for k, v in record.items() if not k.startswith(TIMING)}

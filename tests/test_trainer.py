@@ -16,6 +16,7 @@ import time
 import numpy as np
 import psutil
 import pytest
+from helpers import run_metrics, without_timing
 from safetensors.numpy import load_file
 
 from orsd_jax import chat
@@ -29,23 +30,6 @@ from orsd_jax.services import make_suite
 from orsd_jax.trainer import train
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-TIMING = (
-    "time/",
-    "rollout/generated_tokens_per_s",
-    "rollout/env_steps_per_s",
-    "train/tokens_per_s",
-    "train/row_tokens_per_s",
-    "verifier/latency_s",
-)
-
-
-def _metrics(run: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _without_timing(record: dict) -> dict:
-    """The record less wall-clock figures; NaN (logged as null) compares equal to itself."""
-    return {k: float("nan") if v is None else v for k, v in record.items() if not k.startswith(TIMING)}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +41,7 @@ def reference(tmp_path_factory):
 
 
 def test_orsd_logs_the_rubric_stage_and_gap(reference):
-    records = _metrics(reference)
+    records = run_metrics(reference)
     assert [r["update"] for r in records] == [1, 2, 3, 4, 4] and records[-1].get("final")
     for r in records[:-1]:
         assert r["rubric/bundles"] == 4.0  # 2 groups x K = 2 candidates, each parsed and counted
@@ -96,7 +80,7 @@ def test_evaluation_tables_agree_with_the_step_transcript(reference, split):
     rate = sum(s["valid"] for s in steps) / len(steps)
     assert f"Valid answers: {100 * rate:.1f}% of {len(steps)} steps." in (folder / "eval.md").read_text()
     assert f"after 4 updates, {split}" in (folder / "eval.md").read_text()
-    assert _metrics(reference)[-1][f"eval/{split}/valid_step_rate"] == pytest.approx(rate)
+    assert run_metrics(reference)[-1][f"eval/{split}/valid_step_rate"] == pytest.approx(rate)
 
 
 TIS = dataclasses.replace(preset("tiny").loss, tis_cap=2.0)
@@ -118,7 +102,7 @@ MEMORY = dataclasses.replace(preset("tiny").rubric, memory_examples=2, memory_ca
 )
 def test_each_method_runs_two_updates(method, options, tmp_path):
     train(dataclasses.replace(preset("tiny"), method=method, **options), tmp_path)
-    records = _metrics(tmp_path)
+    records = run_metrics(tmp_path)
     if "loss" in options:  # the trainer's old log-probs are the JAX sampler's to within rounding
         assert records[0]["loss/tis_weight"] == pytest.approx(1.0, abs=1e-3) and records[0]["loss/tis_capped"] == 0
     else:
@@ -157,10 +141,10 @@ def _start(out: pathlib.Path, *extra: str, progress: bool = False) -> subprocess
 
 def _assert_same_run(out: pathlib.Path, reference: pathlib.Path) -> None:
     """The run in ``out`` ended where the uninterrupted ``reference`` did: metrics and final weights."""
-    got, want = _metrics(out), _metrics(reference)
+    got, want = run_metrics(out), run_metrics(reference)
     assert [r["update"] for r in got] == [1, 2, 3, 4, 4]
     for a, b in zip(got, want):
-        assert _without_timing(a) == pytest.approx(_without_timing(b), rel=1e-6, abs=1e-7, nan_ok=True), a["update"]
+        assert without_timing(a) == pytest.approx(without_timing(b), rel=1e-6, abs=1e-7, nan_ok=True), a["update"]
     for name, tensor in load_file(reference / "policy" / "model.safetensors").items():
         np.testing.assert_array_equal(load_file(out / "policy" / "model.safetensors")[name], tensor, err_msg=name)
 
@@ -287,7 +271,7 @@ def test_damaged_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         train(config, tmp_path, resume=True)
     assert any("checkpoint 2" in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
-    assert [r["update"] for r in _metrics(tmp_path)] == [1, 2, 2]  # update 2 was redone from checkpoint 1
+    assert [r["update"] for r in run_metrics(tmp_path)] == [1, 2, 2]  # update 2 was redone from checkpoint 1
     # ... and saved again in place of the damaged one (Orbax skips a save of a step it still lists).
     files = [p for p in (tmp_path / "checkpoints" / "2").rglob("*") if p.is_file()]
     assert files and all(p.read_bytes() != b"damaged" for p in files)
