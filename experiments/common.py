@@ -90,6 +90,13 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
         "--sampler-servers", type=int, help="vLLM servers of the policy (groups are spread over them; default 1)"
     )
     p.add_argument(
+        "--sampler-urls",
+        type=lambda s: tuple(u for u in s.split(",") if u),
+        default=(),
+        help="attach to these vLLM servers of the policy (comma-separated http://host:port, started with "
+        "python -m experiments.serve) instead of starting --sampler-servers; they must read the run directory",
+    )
+    p.add_argument(
         "--async-episodes",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -185,8 +192,9 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
     return c
 
 
-def plan(config: TrainConfig, processes: int = 1) -> tuple[str, bool]:
-    """The dry-run report (for ``processes`` JAX processes) and whether the plan fits the devices."""
+def plan(config: TrainConfig, processes: int = 1, sampler_urls: tuple[str, ...] = ()) -> tuple[str, bool]:
+    """The dry-run report (for ``processes`` JAX processes and the vLLM servers at ``sampler_urls``)
+    and whether the plan fits the devices."""
     from orsd_jax import estimate
     from orsd_jax.models import ModelConfig, resolve
 
@@ -218,11 +226,18 @@ def plan(config: TrainConfig, processes: int = 1) -> tuple[str, bool]:
         f"devices: {devices} ({'FSDP' if c.fsdp else 'replicated'} parameters), mesh ('data',) = ({devices},)",
         f"processes: {processes}"
         + (
-            f", {devices // processes} devices each; process 0 runs the sampler's {c.sampler_servers} vLLM server(s), "
-            "the environments, the rubric stage and the run's files, every process its rows of each minibatch "
-            "and its share of the checkpoints"
+            f", {devices // processes} devices each; process 0 runs the sampler, the environments, the rubric "
+            "stage and the run's files, every process its rows of each minibatch and its share of the checkpoints"
             if processes > 1
             else ""
+        ),
+        "sampler: "
+        + (
+            f"{len(sampler_urls)} attached vLLM server(s) ({', '.join(sampler_urls)})"
+            if sampler_urls
+            else f"{c.sampler_servers} vLLM server(s) started by the run"
+            if c.sampler == "vllm"
+            else "in process (JAX)"
         ),
         f"parameters: {e.params / 1e9:.2f} B ({c.model.dtype}), compute {model.compute_dtype}, remat {model.remat}",
         f"minibatch: {c.minibatch_rows} rows x {seq_len} tokens (prompt {c.rollout.max_prompt_tokens}, rubric {rubric_tokens}, "
@@ -293,7 +308,7 @@ def main(env: str, doc: str, argv: list[str] | None = None) -> None:
         processes = launch.processes or 1
         if (config.devices or 1) % processes:
             raise SystemExit(f"--devices {config.devices or 1} do not split over {processes} processes")
-        report, fits = plan(config, processes)
+        report, fits = plan(config, processes, args.sampler_urls)
         print(report)
         sys.exit(0 if fits else 2)
     distributed.initialize(dataclasses.replace(launch, detect=args.detect_cluster))
@@ -305,7 +320,7 @@ def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _stop_on)
     try:
-        policy = train(config, out, resume=args.resume, stop_after=args.stop_after)
+        policy = train(config, out, resume=args.resume, stop_after=args.stop_after, sampler_urls=args.sampler_urls)
     except StorageError as error:  # nothing to debug: the disk is full
         # Orbax leaves the asyncio tasks of its other refused writes unretrieved: asyncio would log
         # each one's traceback when it is collected at exit, after this line.

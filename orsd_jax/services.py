@@ -8,7 +8,7 @@ import functools
 import logging
 import pathlib
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
@@ -30,7 +30,7 @@ if typing.TYPE_CHECKING:
     from orsd_jax.envs.webshop.goals import Split
     from orsd_jax.rubrics import Verifier
     from orsd_jax.sampling.base import Sampler
-    from orsd_jax.sampling.vllm_server import VLLMServer
+    from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
 
 log = logging.getLogger("orsd_jax")
 
@@ -114,21 +114,30 @@ def _max_len(config: TrainConfig) -> int:
     )
 
 
+def sampler_options(config: TrainConfig) -> ServerOptions:
+    """The options of the policy's vLLM servers (``experiments.serve`` starts one the same way)."""
+    from orsd_jax.sampling.vllm_server import ServerOptions
+
+    return ServerOptions(max_model_len=_max_len(config), seed=config.seed)
+
+
 def _launch_servers(
-    config: TrainConfig, directory: pathlib.Path, out: pathlib.Path
+    config: TrainConfig, directory: pathlib.Path, out: pathlib.Path, sampler_urls: Sequence[str]
 ) -> tuple[list[VLLMServer], VLLMServer | None]:
-    """The sampler's vLLM server processes (none for the in-process sampler) and the verifier's
-    (None where the run has none), launched without waiting for them to answer."""
+    """The sampler's vLLM server processes (none for the in-process sampler; attached ones where
+    ``sampler_urls`` name them) and the verifier's (None where the run has none), launched without
+    waiting for them to answer."""
     from orsd_jax.sampling.vllm_server import ServerOptions, VLLMServer
 
     samplers: list[VLLMServer] = []
     verifier = None
     try:
-        if config.sampler == "vllm":
-            options = ServerOptions(max_model_len=_max_len(config), seed=config.seed)
+        if sampler_urls:
+            samplers = [VLLMServer.attach(url) for url in sampler_urls]
+        elif config.sampler == "vllm":
             for s in range(config.sampler_servers):
                 log_path = out / "logs" / ("sampler.log" if s == 0 else f"sampler-{s}.log")
-                samplers.append(VLLMServer(directory, options, log_path=log_path, wait=False))
+                samplers.append(VLLMServer(directory, sampler_options(config), log_path=log_path, wait=False))
         if config.uses_rubrics and config.verifier.kind == "local-vllm":
             options = ServerOptions(served_model_name="verifier", max_model_len=4096, seed=config.seed, dev_mode=False)
             verifier = VLLMServer(directory, options, log_path=out / "logs" / "verifier.log", wait=False)
@@ -183,7 +192,15 @@ class Services:
     """Everything a run's updates use besides the train state (``initial_state``: the state a
     fresh run starts from). ``start`` launches the sampler, verifier and environments."""
 
-    def __init__(self, config: TrainConfig, out_dir: str | pathlib.Path):
+    def __init__(self, config: TrainConfig, out_dir: str | pathlib.Path, sampler_urls: Sequence[str] = ()):
+        """``sampler_urls``: vLLM servers of the policy someone else started (``experiments.serve``),
+        used in place of ``config.sampler_servers`` started here."""
+        if sampler_urls and (config.sampler != "vllm" or config.sampler_servers != 1):
+            raise ValueError(
+                f"sampler URLs {list(sampler_urls)} replace the vLLM servers the run starts: they need "
+                f"the vLLM sampler and sampler_servers 1 (got {config.sampler!r}, {config.sampler_servers})"
+            )
+        self.sampler_urls = tuple(sampler_urls)
         self.config = config = config.resolved()
         self.out = out = pathlib.Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -248,12 +265,14 @@ class Services:
         c = self.config
         if not distributed.is_main():  # process 0 plays the episodes (distributed.py)
             return
-        self.sampler_servers, self.verifier_server = _launch_servers(c, self.initial_dir, self.out)
+        self.sampler_servers, self.verifier_server = _launch_servers(c, self.initial_dir, self.out, self.sampler_urls)
         self.pool = EnvPool(self.suite.make_env, c.n_tasks * c.group_size, c.env.workers)
         for server in [*self.sampler_servers, self.verifier_server]:
-            if server is not None:
+            if server is not None and server.owned:
                 server.wait_ready()
         self.sampler = _make_sampler(c, self.sampler_servers, self._model, self.tokenizer, self.out)
+        if self.sampler.weight_version < 0:  # attached servers: they may serve other weights
+            self.sampler.push_weights(self._model, 0)
         if c.uses_rubrics:
             self.verifier = _make_verifier(c, self.verifier_server, self.initial_dir, self.tokenizer, self.out)
 

