@@ -58,7 +58,8 @@ class StudyPlan:
             raise ValueError("a study needs at least one method and one seed")
 
     def runs(self) -> tuple[RunSpec, ...]:
-        return tuple(RunSpec(m, s, self.out / "runs" / f"{m}-seed{s}") for m in self.methods for s in self.seeds)
+        """Seed by seed: a grid stopped halfway has every method at the seeds it finished."""
+        return tuple(RunSpec(m, s, self.out / "runs" / f"{m}-seed{s}") for s in self.seeds for m in self.methods)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -259,13 +259,27 @@ def test_dry_run_plans_a_paper_grid_and_starts_nothing(tmp_path, capsys):
     assert text.count("interaction budget: 300 updates x 8 tasks x 8 rollouts = 19200 episodes") == 2
     assert "rubrics: 9600 candidate bundles" in text  # ORSD's rubric stage, in its plan only
     runs = [line.split() for line in text.splitlines() if line.startswith(("grpo-seed", "orsd-seed"))]
-    want = [[f"{m}-seed{s}", "new", "4", "19200", "960000"] for m in ("grpo", "orsd") for s in SEEDS]
+    want = [[f"{m}-seed{s}", "new", "4", "19200", "960000"] for s in SEEDS for m in ("grpo", "orsd")]  # seed by seed
     assert [r[:5] for r in runs] == want
     hours = {r[0].split("-")[0]: float(r[5]) for r in runs}
     assert 0 < hours["grpo"] < hours["orsd"]  # the with-rubric pass and the rubric writing cost more
     assert "total: 6 runs, 115200 training episodes, at most 5760000 environment steps" in text
     assert "devices: 4 per run, 4 at once with --parallel 1" in text and "GPU hours: about" in text
     assert not out.exists()
+
+
+def test_the_cpu_study_preset_is_the_calibration_that_learned():
+    """The preset runs the recorded command of calibration attempt 7 (docs/results/study.md), with the
+    study's own evaluation, length and credit records."""
+    saved = json.loads((REPO / "docs/results/study/calibration/grpo-pool8-2x8-lr2e-4/config.json").read_text())
+    planned = json.loads(to_json(dataclasses.replace(preset("cpu-study"), method="grpo")))
+    assert study.config_differences(saved, planned) == (
+        "credit_every",
+        "env.eval_games",
+        "eval_games",
+        "preset",
+        "updates",
+    )
 
 
 def test_gpu_hours_scale_with_the_work():
