@@ -235,6 +235,28 @@ def budget(records: Sequence[dict], episodes_per_update: int) -> Budget:
     return Budget(len(train), len(train) * episodes_per_update, *sums)
 
 
+def pass_success(records: Sequence[dict], config: Mapping) -> dict[str, float]:
+    """Training success per pass over a fixed pool of games (``env.train_pool`` tasks, ``n_tasks`` an
+    update: every game once a pass), and ``last - first``: each game's success against its own a few
+    passes earlier. Only complete passes count; without a pool (each update draws other games), or a
+    pool an update does not divide, there are no passes: empty."""
+    pool, n_tasks = config["env"].get("train_pool"), config["n_tasks"]
+    if not pool or pool % n_tasks:
+        return {}
+    length = pool // n_tasks
+    passes: dict[int, list[float]] = collections.defaultdict(list)
+    for r in records:
+        if not r.get("final") and r.get("env/success") is not None:
+            passes[(r["update"] - 1) // length + 1].append(r["env/success"])
+    means = {p: float(np.mean(v)) for p, v in sorted(passes.items()) if len(v) == length}
+    if not means:
+        return {}
+    out = {f"pass {p}": v for p, v in means.items()}
+    if len(means) > 1:
+        out["last - first"] = means[max(means)] - means[min(means)]
+    return out
+
+
 def run_flops(model: ModelConfig, config: TrainConfig) -> float:
     """An upper bound on a run's dense work, from ``orsd_jax.estimate``'s FLOP counts for ``model``:
     every episode runs ``max_steps`` steps at the full prompt and response lengths; a rollout step
@@ -304,8 +326,12 @@ def plot_curves(rows: Sequence[Row], methods: Sequence[str], path: pathlib.Path,
     fig.savefig(path, dpi=120)
 
 
+def _percent(x: float) -> str:
+    return f"{round(100 * x, 1) + 0.0:.1f}"  # + 0.0: a difference of equal values prints 0.0, not -0.0
+
+
 def _cell(i: Interval | None) -> str:
-    return "-" if i is None else f"{100 * i.mean:.1f} [{100 * i.low:.1f}, {100 * i.high:.1f}]"
+    return "-" if i is None else f"{_percent(i.mean)} [{_percent(i.low)}, {_percent(i.high)}]"
 
 
 def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
@@ -318,13 +344,14 @@ def eval_splits(finals: Iterable[dict]) -> list[str]:
 
 
 def method_table(
-    finals: Mapping[RunSpec, dict], methods: Sequence[str], columns: Mapping[str, str], paired: bool = False
+    per_run: Mapping[RunSpec, dict], methods: Sequence[str], columns: Mapping[str, str], paired: bool = False
 ) -> list[str]:
-    """Rows: methods; columns: title -> final metric, each cell the mean [interval] over seeds in percent
-    (``paired``: of the difference to the baseline's run of the same seed)."""
+    """Rows: methods; columns: title -> a key of each run's values (its final record, say), each cell
+    the mean [interval] over seeds in percent (``paired``: of the difference to the baseline's run of
+    the same seed)."""
     stats = []
     for key in columns.values():
-        values = {run: f[key] for run, f in finals.items() if f.get(key) is not None}
+        values = {run: f[key] for run, f in per_run.items() if f.get(key) is not None}
         stats.append(paired_differences(values) if paired else by_method(values))
     rows = [
         [m, str(max((s[m].n for s in stats if m in s), default=0)), *(_cell(s.get(m)) for s in stats)]
@@ -334,9 +361,10 @@ def method_table(
     return _table(["method", "pairs" if paired else "seeds", *columns], rows)
 
 
-def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], episodes: Mapping[RunSpec, int]) -> str:
-    """``final.md``: final evaluation per split and task type, paired differences to the baseline, and
-    each run's interaction budget and time (``episodes``: a run's episodes per update)."""
+def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], configs: Mapping[RunSpec, dict]) -> str:
+    """``final.md``: final evaluation per split and task type, paired differences to the baseline,
+    training success per pass over the pool, and each run's interaction budget and time (``configs``:
+    the runs' config.json)."""
     finals = {run: f for run, rs in records.items() if (f := final_record(rs)) is not None}
     splits, seeds = eval_splits(finals.values()), ", ".join(map(str, plan.seeds))
     lines = [
@@ -360,9 +388,27 @@ def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], e
     if BASELINE in plan.methods and len(plan.methods) > 1:
         title = f"## Paired difference to {BASELINE} (percentage points, same seed)"
         lines += ["", title, "", *method_table(finals, plan.methods, success, paired=True)]
+    passes = {run: p for run, rs in records.items() if (p := pass_success(rs, configs[run]))}
+    if passes:
+        columns = {k: k for k in dict.fromkeys(k for p in passes.values() for k in p)}
+        pool, n_tasks = (configs[next(iter(passes))][k] for k in ("env", "n_tasks"))
+        lines += [
+            "",
+            "## Training success per pass over the pool (%)",
+            "",
+            f"A pass is {pool['train_pool'] // n_tasks} update(s): each of the pool's {pool['train_pool']} games "
+            "played once, in groups; `last - first` is each run's change on the same games (runs still training "
+            "included).",
+            "",
+            *method_table(passes, plan.methods, columns),
+        ]
+        if BASELINE in plan.methods and len(plan.methods) > 1:
+            lines += ["", f"Paired difference to {BASELINE} (percentage points, same seed):", ""]
+            lines += method_table(passes, plan.methods, columns, paired=True)
     rows = []
     for run, rs in records.items():
-        b = budget(rs, episodes[run])
+        c = configs[run]
+        b = budget(rs, c["n_tasks"] * c["group_size"])
         rows.append(
             [
                 run.name,
@@ -394,6 +440,5 @@ def write_report(plan: StudyPlan) -> tuple[pathlib.Path, ...]:
     write_curves_csv(rows, csv_path)
     title = f"{plan.env}, preset {plan.preset}: mean over seeds, {LEVEL:.0%} bootstrap band"
     plot_curves(rows, plan.methods, png_path, title)
-    episodes = {run: c["n_tasks"] * c["group_size"] for run, c in configs.items()}
-    md_path.write_text(final_markdown(plan, records, episodes))
+    md_path.write_text(final_markdown(plan, records, configs))
     return csv_path, png_path, md_path

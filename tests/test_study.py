@@ -154,6 +154,33 @@ def test_report_files_from_fabricated_records(fabricated):
     assert "| orsd-seed2 | 3 | 12 | 36 | 300 | 12 | 3.0 |" in md  # budget: updates, episodes, steps, tokens, calls, min
     assert "| grpo-seed0 | 3 | 12 | 30 | 300 | 0 | 3.0 |" in md
     assert "without a final evaluation" not in md
+    assert "per pass over the pool" not in md  # no pool: every update draws other games
+
+
+def test_training_success_per_pass_over_a_pool(tmp_path):
+    """With a pool of 2 games and 2 tasks an update, each update is a pass over the pool."""
+    pool = dataclasses.replace(preset("tiny").env, train_pool=2)
+    for method in ("grpo", "orsd"):
+        for seed in SEEDS:
+            _write_run(tmp_path, method, seed, _records(method, seed), env=pool)
+    md = study.write_report(study.StudyPlan("alfworld", "tiny", ("grpo", "orsd"), SEEDS, 3, tmp_path))[2].read_text()
+    assert "| method | seeds | pass 1 | pass 2 | pass 3 | last - first |" in md
+    # Training success 0.1 u + 0.1 s (+0.2 for ORSD): each seed gains 0.2 from pass 1 to pass 3.
+    assert "| grpo | 3 | 20.0 [10.0, 30.0] | 30.0 [20.0, 40.0] | 40.0 [30.0, 50.0] | 20.0 [20.0, 20.0] |" in md
+    assert "| orsd | 3 | 40.0 [30.0, 50.0] | 50.0 [40.0, 60.0] | 60.0 [50.0, 70.0] | 20.0 [20.0, 20.0] |" in md
+    assert "| orsd | 3 | 20.0 [20.0, 20.0] | 20.0 [20.0, 20.0] | 20.0 [20.0, 20.0] | 0.0 [0.0, 0.0] |" in md  # paired
+
+
+def test_passes_are_complete_passes_of_a_pool_the_updates_divide():
+    records = _records("grpo", 0)  # 3 updates: training success 0.1, 0.2, 0.3
+    config = json.loads(
+        to_json(dataclasses.replace(preset("tiny"), env=dataclasses.replace(preset("tiny").env, train_pool=4)))
+    )
+    assert study.pass_success(records, config) == pytest.approx({"pass 1": 0.15})  # updates 1-2; 3 alone is no pass
+    config["env"]["train_pool"] = 3  # 2 tasks an update do not divide 3 games into passes
+    assert study.pass_success(records, config) == {}
+    config["env"]["train_pool"] = None
+    assert study.pass_success(records, config) == {}
 
 
 def test_report_names_runs_without_a_final_evaluation(fabricated):
