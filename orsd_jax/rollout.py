@@ -259,8 +259,6 @@ def collect_groups(
     start = time.perf_counter()
     task_of = [tasks[i // group_size] for i in range(n)]
     clock = _Clock()
-    with clock.busy("envs"):
-        episodes = [_Episode(t, first) for t, first in zip(task_of, envs.reset(task_of))]
     params = SamplingParams(
         temperature=config.temperature,
         top_p=config.top_p,
@@ -274,7 +272,7 @@ def collect_groups(
         _Episode.prompt, config=config, build_prompt=build_prompt, fmt=fmt, tokenizer=tokenizer
     )
     loop = _play_asynchronously if config.asynchronous else _play_by_turns
-    loop(episodes, _Play(sampler, envs, config, params, seed, clock, prompt_of, fmt, group_size))
+    episodes = loop(task_of, _Play(sampler, envs, config, params, seed, clock, prompt_of, fmt, group_size))
     trajectories = [e.trajectory() for e in episodes]
     groups = tuple(
         Group(task=tasks[g], trajectories=tuple(trajectories[g * group_size : (g + 1) * group_size]))
@@ -311,11 +309,13 @@ class _Play:
     group_size: int  # episode i belongs to group i // group_size
 
 
-def _play_by_turns(episodes: list[_Episode], play: _Play) -> None:
+def _play_by_turns(task_of: list[Task], play: _Play) -> list[_Episode]:
+    with play.clock.busy("envs"):
+        episodes = [_Episode(t, first) for t, first in zip(task_of, play.envs.reset(task_of))]
     for turn in range(play.config.max_steps):
         live = [i for i, e in enumerate(episodes) if not e.current.done]
         if not live:
-            return
+            break
         prompts = [play.prompt_of(episodes[i]) for i in live]
         with play.clock.busy("sampler"):
             # One seed per turn; samplers draw independent samples for the prompts of one call.
@@ -332,20 +332,23 @@ def _play_by_turns(episodes: list[_Episode], play: _Play) -> None:
             result = results[i]
             assert result is not None  # every live env was sent an action
             episodes[i].advance(prompt, c, p, result)
+    return episodes
 
 
-def _play_asynchronously(episodes: list[_Episode], play: _Play) -> None:
+def _play_asynchronously(task_of: list[Task], play: _Play) -> list[_Episode]:
     # A sampler that cannot serve calls from several threads (the in-process JAX one) takes them
     # one at a time; environments still step meanwhile.
     serial: contextlib.AbstractContextManager = (
         contextlib.nullcontext() if getattr(play.sampler, "concurrent_calls", False) else threading.Lock()
     )
 
-    def run(i: int) -> None:
-        episode = episodes[i]
+    def run(i: int) -> _Episode:
+        # Each episode resets its own environment: the first prompts generate while later games load.
+        with play.clock.busy("envs"):
+            episode = _Episode(task_of[i], play.envs.reset_one(i, task_of[i]))
         for turn in range(play.config.max_steps):
             if episode.current.done:
-                return
+                break
             prompt = play.prompt_of(episode)
             with play.clock.busy("sampler"), serial:
                 params = dataclasses.replace(play.params, seed=seeds.derive(play.seed, turn, i))
@@ -354,10 +357,10 @@ def _play_asynchronously(episodes: list[_Episode], play: _Play) -> None:
             with play.clock.busy("envs"):
                 result = play.envs.step_one(i, p.action or "")
             episode.advance(prompt, c, p, result)
+        return episode
 
-    with concurrent.futures.ThreadPoolExecutor(len(episodes), thread_name_prefix="episode") as pool:
-        for future in [pool.submit(run, i) for i in range(len(episodes))]:
-            future.result()
+    with concurrent.futures.ThreadPoolExecutor(len(task_of), thread_name_prefix="episode") as pool:
+        return [future.result() for future in [pool.submit(run, i) for i in range(len(task_of))]]
 
 
 def tasks_for_update(train: Sequence[Task], n_tasks: int, seed: int, update: int) -> list[Task]:

@@ -49,17 +49,21 @@ def test_steps_reach_their_environment_and_none_skips():
     assert [s.observation for s in out if s] == [f"{pids[0]}:a", f"{pids[2]}:c", f"{pids[3]}:d"]
 
 
-def test_steps_of_single_environments_from_many_threads_reach_their_own():
-    """Asynchronous episodes: one thread per environment, each stepping its own, several of them
-    on one worker at once ("slow" holds a worker while its neighbours wait on its pipe)."""
+def test_resets_and_steps_of_single_environments_from_many_threads_reach_their_own():
+    """Asynchronous episodes: one thread per environment, each resetting and stepping its own,
+    several of them on one worker at once ("slow" holds a worker while its neighbours wait on its pipe)."""
     import concurrent.futures
 
+    def episode(i: int) -> tuple[str, list[str]]:
+        return pool.reset_one(i, TASK).observation, [pool.step_one(i, a).observation for a in actions[i]]
+
     with EnvPool(PidEnv, 6, n_workers=2) as pool:
-        pids = [s.observation for s in pool.reset([TASK] * 6)]
         actions = [["slow", f"a{i}", "slow"] if i % 3 == 0 else [f"a{i}", f"b{i}", f"c{i}"] for i in range(6)]
         with concurrent.futures.ThreadPoolExecutor(6) as threads:
-            seen = list(threads.map(lambda i: [pool.step_one(i, a).observation for a in actions[i]], range(6)))
-        assert seen == [[f"{pids[i]}:{a}" for a in actions[i]] for i in range(6)]
+            seen = list(threads.map(episode, range(6)))
+        pids = [pid for pid, _ in seen]
+        assert len(set(pids)) == 2 and pids == [pids[i % 2] for i in range(6)]  # environment i on worker i % 2
+        assert [steps for _, steps in seen] == [[f"{pids[i]}:{a}" for a in actions[i]] for i in range(6)]
         with pytest.raises(EnvWorkerError, match="boom"):
             pool.step_one(1, "raise")
         assert pool.step_one(1, "again").observation == f"{pids[1]}:again"  # no stale reply

@@ -69,9 +69,9 @@ class EnvPool:
 
     ``reset(tasks)`` takes one task per environment; ``step(actions)`` one action per
     environment, where None skips that environment (finished episodes) and returns None for it.
-    ``step_one(i, action)`` steps environment ``i`` alone and may be called from several threads
-    at once (asynchronous episodes): calls reaching one worker take turns on its pipe, so each
-    reads its own reply.
+    ``reset_one(i, task)`` and ``step_one(i, action)`` reset or step environment ``i`` alone and may
+    be called from several threads at once (asynchronous episodes): calls reaching one worker take
+    turns on its pipe, so each reads its own reply.
     """
 
     def __init__(
@@ -167,11 +167,17 @@ class EnvPool:
                 every_pipe.enter_context(lock)
             return self._scatter("step", list(actions))
 
+    def reset_one(self, i: int, task: Task) -> EnvStep:
+        return self._one("reset", i, task)
+
     def step_one(self, i: int, action: str) -> EnvStep:
+        return self._one("step", i, action)
+
+    def _one(self, cmd: str, i: int, item: Any) -> EnvStep:
         w, local = self._owner[i]
         with self._locks[w]:
             try:
-                self._conns[w].send(("step", [(local, action)]))
+                self._conns[w].send((cmd, [(local, item)]))
             except (BrokenPipeError, OSError) as err:
                 raise EnvWorkerError(f"environment worker {w} is gone: {err}") from err
             reply = self._receive(w)
