@@ -164,8 +164,8 @@ def _webshop_states(make_env, groups, per_game: int):
     a state with a single candidate is skipped."""
     from orsd_jax.envs.webshop import parse_command
     from orsd_jax.envs.webshop.expert import expert_route
-    from orsd_jax.envs.webshop.oracle import title_query
     from orsd_jax.envs.webshop.pages import SEARCH_PLACEHOLDER
+    from orsd_jax.envs.webshop.search import search_argument
 
     env = make_env()
     out = []
@@ -176,7 +176,7 @@ def _webshop_states(make_env, groups, per_game: int):
                 route = expert_route(env, current)
                 actions = tuple(a for a in current.admissible_actions if a != SEARCH_PLACEHOLDER)
                 if SEARCH_PLACEHOLDER in current.admissible_actions:
-                    actions = (f"search[{title_query(env.goal.name)}]", *actions)
+                    actions = (f"search[{search_argument(env.goal.name)}]", *actions)
                 expert = next((a for a in actions if route and parse_command(a) == parse_command(route[0])), None)
                 if expert is not None and len(actions) > 1:
                     out.append((g, k, actions, expert))

@@ -19,6 +19,8 @@ import pathlib
 import time
 
 from experiments.common import task_types
+from orsd_jax.envs.webshop.oracle import SEARCHES
+from orsd_jax.envs.webshop.world import GOAL_SETS
 from orsd_jax.rollout import RolloutConfig
 from orsd_jax.train_step import OptimizerConfig
 from orsd_jax.warmstart import FinetuneConfig, WarmStartRun, run_warmstart
@@ -41,6 +43,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=(),
         help="ALFWorld task types or WebShop categories to demonstrate and evaluate, comma-separated (default: all)",
     )
+    p.add_argument("--goals", default="all", choices=GOAL_SETS, help="WebShop: the goal set demonstrated and evaluated")
+    p.add_argument(
+        "--search",
+        default="title",
+        choices=SEARCHES,
+        help="WebShop: what the oracle searches, the goal product's title or the goal's own words (copyable)",
+    )
+    p.add_argument("--history-length", type=int, default=2, help="earlier steps shown in the prompt")
     p.add_argument("--max-detours", type=int, default=2, help="random visits before the plan (exploration)")
     p.add_argument(
         "--rubric-games",
@@ -76,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)  # before any game loads: the planner overwrites sys.argv
     max_steps = args.max_steps or (50 if args.env == "alfworld" else 15)
-    rollout = RolloutConfig(max_steps=max_steps, max_prompt_tokens=args.max_prompt_tokens)
+    rollout = RolloutConfig(
+        max_steps=max_steps, max_prompt_tokens=args.max_prompt_tokens, history_length=args.history_length
+    )
     run = WarmStartRun(
         env=args.env,
         data_dir=args.data_dir,
@@ -85,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         games_seed=args.games_seed,
         demo_games=args.demo_games,
         task_types=args.task_types,
+        goals=args.goals,
+        search=args.search,
         max_detours=args.max_detours,
         reasoning=args.reasoning,
         rubric_games=args.rubric_games,
@@ -116,8 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             from orsd_jax.envs import webshop
 
-            goals = webshop.load_goals(run.data_dir, "test")
-            tasks = [t for t in goals if not args.task_types or t.task_type in args.task_types][: args.eval_games]
+            goals = webshop.load_goals(run.data_dir, "test", categories=run.task_types, goals=run.goals)
+            tasks = goals[: args.eval_games]
             make_env = functools.partial(webshop.WebShopEnv, run.data_dir, max_steps=max_steps)
             build_prompt, split = webshop.build_prompt, "test"
         suite = EnvSuite(run.env, make_env, build_prompt, (), {split: tuple(tasks)})

@@ -49,7 +49,10 @@ class EnvConfig:
     # environment's score in [0, 1]; WebShop's partial credit, ALFWorld's score is its success).
     reward: str = "success"
     data_dir: str | None = None  # WebShop data ($WEBSHOP_DATA when None)
-    task_types: tuple[str, ...] = ()  # ALFWorld task types played, trained and evaluated (empty: all)
+    # Task types played, trained and evaluated (empty: all): ALFWorld's (pick, look, ...) or
+    # WebShop's product categories (fashion, garden, beauty, electronics, grocery).
+    task_types: tuple[str, ...] = ()
+    goals: str = "all"  # WebShop's goal set (envs.webshop.world.GOAL_SETS): "first-hit", goals a copied search finds
     workers: int | None = None  # environment worker processes (None: one per core)
 
 
@@ -129,8 +132,8 @@ class TrainConfig:
             raise ValueError(f"unknown method {self.method!r}; expected one of {METHODS}")
         if self.env.name not in ENVS:
             raise ValueError(f"unknown environment {self.env.name!r}; expected one of {ENVS}")
-        if self.env.task_types and self.env.name != "alfworld":
-            raise ValueError("task_types selects ALFWorld task types; other environments have none")
+        if self.env.goals != "all" and self.env.name != "webshop":
+            raise ValueError(f"env.goals {self.env.goals!r} selects WebShop goals; {self.env.name} has none")
         if self.env.reward not in REWARDS:
             raise ValueError(f"unknown reward {self.env.reward!r}; expected one of {REWARDS}")
         unknown = set(self.env.eval_splits) - set(EVAL_SPLITS[self.env.name])

@@ -62,13 +62,14 @@ def make_suite(config: TrainConfig) -> EnvSuite:
         )
     from orsd_jax.envs import webshop
 
+    goals = functools.partial(webshop.load_goals, e.data_dir, categories=e.task_types, goals=e.goals)
     return EnvSuite(
         "webshop",
         functools.partial(webshop.WebShopEnv, e.data_dir, max_steps=steps, reward=e.reward),
         webshop.build_prompt,
-        _pool(tuple(webshop.load_goals(e.data_dir, "train")), e.train_pool),
+        _pool(tuple(goals("train")), e.train_pool),
         # TrainConfig.validate checked the split names.
-        {split: tuple(webshop.load_goals(e.data_dir, typing.cast("Split", split))) for split in config.eval_splits},
+        {split: tuple(goals(typing.cast("Split", split))) for split in config.eval_splits},
     )
 
 

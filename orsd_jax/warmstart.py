@@ -201,6 +201,8 @@ class WarmStartRun:
     rubric_games: int = 0
     env: str = "alfworld"  # or "webshop": the oracle's purchases of train goals (``task_types``: categories)
     data_dir: str | None = None  # WebShop's files (default: $WEBSHOP_DATA)
+    goals: str = "all"  # WebShop's goal set (envs.webshop.world.GOAL_SETS)
+    search: str = "title"  # what WebShop's oracle searches (envs.webshop.oracle.SEARCHES): "instruction" is copyable
 
     def key(self) -> str:
         fields = dataclasses.asdict(self)
@@ -212,7 +214,7 @@ class WarmStartRun:
 
 
 # Fields added after DEMO_VERSION 4, with their defaults: they enter the cache key only when set.
-_LATER_FIELDS = {"rubric_games": 0, "env": "alfworld", "data_dir": None}
+_LATER_FIELDS = {"rubric_games": 0, "env": "alfworld", "data_dir": None, "goals": "all", "search": "title"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,13 +240,11 @@ def demo_source(run: WarmStartRun) -> DemoSource:
     from orsd_jax.envs import webshop
     from orsd_jax.rubrics.sources import oracle_for
 
-    goals = [
-        t for t in webshop.load_goals(run.data_dir, "train") if not run.task_types or t.task_type in run.task_types
-    ]
+    goals = webshop.load_goals(run.data_dir, "train", categories=run.task_types, goals=run.goals)
     shop = webshop.WebShopEnv(run.data_dir, max_steps=run.rollout.max_steps)
     # The goals the oracle wins (about 95%): a lost purchase is not a demonstration. Each goal is
     # played once; its commands are the walkthrough the recorder replays.
-    episodes = ((t, *webshop.oracle_episode(shop, t)) for t in goals)
+    episodes = ((t, *webshop.oracle_episode(shop, t, run.search)) for t in goals)
     won = list(itertools.islice(((t, commands) for t, commands, last in episodes if last.won), run.demo_games))
     commands = {t.key: c for t, c in won}
     return DemoSource(

@@ -390,10 +390,10 @@ def test_constrained_rubrics_need_vllm():
         dataclasses.replace(config, sampler="jax")
 
 
-def test_task_types_are_alfworlds():
-    config = preset("tiny", "webshop")
-    with pytest.raises(ValueError, match="task_types selects ALFWorld task types"):
-        dataclasses.replace(config, env=dataclasses.replace(config.env, task_types=("pick",)))
+def test_goal_sets_are_webshops():
+    config = preset("tiny", "alfworld")
+    with pytest.raises(ValueError, match="selects WebShop goals; alfworld has none"):
+        dataclasses.replace(config, env=dataclasses.replace(config.env, goals="first-hit"))
 
 
 def test_step_advantages_fold_the_invalid_penalty():

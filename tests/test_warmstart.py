@@ -86,15 +86,20 @@ def test_demonstration_prompts_are_the_rollout_prompts(setup):
         env.close()
 
 
-def test_webshop_demonstrations_are_the_rollout_prompts(setup, webshop_data):
+@pytest.mark.parametrize("goals, search, history", [("all", "title", 2), ("first-hit", "instruction", 1)])
+def test_webshop_demonstrations_are_the_rollout_prompts(setup, webshop_data, goals, search, history):
     """WebShop as ALFWorld above: a real rollout's prompts rebuilt byte for byte by the recorder, and
-    the oracle's demonstrations are the rollout prompts after the oracle's first k commands."""
+    the oracle's demonstrations are the rollout prompts after the oracle's first k commands (the
+    title oracle on every goal, and the one that searches the goal's words on the goals it finds first)."""
     from orsd_jax.envs import webshop
 
     tokenizer, fmt, model, _ = setup
-    rollout = dataclasses.replace(ROLLOUT, max_steps=6)
+    rollout = dataclasses.replace(ROLLOUT, max_steps=6, history_length=history)
     make_env = functools.partial(webshop.WebShopEnv, str(webshop_data), max_steps=rollout.max_steps)
-    source = demo_source(WarmStartRun(env="webshop", data_dir=str(webshop_data), demo_games=2, rollout=rollout))
+    run = WarmStartRun(
+        env="webshop", data_dir=str(webshop_data), demo_games=2, rollout=rollout, goals=goals, search=search
+    )
+    source = demo_source(run)
     assert len(source.tasks) == 2 and all(t.env == "webshop" for t in source.tasks)
     task = source.tasks[0]
     sampler = JaxSampler(model, tokenizer, max_model_len=1100, seed=0)
@@ -117,11 +122,12 @@ def test_webshop_demonstrations_are_the_rollout_prompts(setup, webshop_data):
         fmt=fmt,
         reasoning=False,
     )
-    commands = webshop.oracle_episode(shop, task)[0]
+    commands = webshop.oracle_episode(shop, task, search)[0]
     records = record_episode(shop, task, commands, rollout, webshop.build_prompt, tokenizer=tokenizer, fmt=fmt)
     assert [d.prompt_ids for d in demos] == [tuple(r[1]) for r in records] and len(demos) == len(commands) >= 3
     assert [d.answer for d in demos] == [f"<think></think><action>{c}</action>" for c in commands]
-    assert commands[0].startswith("search[") and commands[-1] == "click[buy now]"
+    query = task.description if search == "instruction" else shop.goal.name
+    assert commands[0] == f"search[{' '.join(query.split())}]" and commands[-1] == "click[buy now]"
 
 
 def test_rubric_demonstrations_are_the_with_rubric_replay_prompts(setup):

@@ -7,7 +7,7 @@ import pytest
 
 from orsd_jax.envs.base import Task
 from orsd_jax.envs.pool import EnvPool
-from orsd_jax.envs.webshop import WebShopEnv, load_goals, run_oracle
+from orsd_jax.envs.webshop import WebShopEnv, load_goals, oracle_episode, run_oracle
 from orsd_jax.envs.webshop.oracle import OraclePolicy
 
 GOAL_ASIN = "B0743JKHBV"  # test goal 0: a 28" x 28" pillow cover
@@ -234,3 +234,31 @@ def test_pool_matches_sequential_play(webshop_data, env, tasks):
             actions = [None if s.done else p(s) for s, p in zip(steps, policies)]
             steps = [old if new is None else new for old, new in zip(steps, pool.step(actions))]
     assert steps == expected
+
+
+def test_first_hit_goals_are_won_by_copying_the_instruction(webshop_data, env, tasks):
+    """The "first-hit" goal set: the goal product is the first result of searching the goal's
+    words, so the instruction-search oracle opens the first result, and wins as the title one does."""
+    first_hit = load_goals(webshop_data, "test", goals="first-hit")
+    keys = {t.key for t in first_hit}
+    assert 0 < len(first_hit) < len(tasks) and [t for t in tasks if t.key in keys] == first_hit
+    for task in tasks[:40]:  # in the set exactly when the search page's first product is the goal's
+        env.reset(task)
+        results = env.step(f"search[{' '.join(task.description.split())}]")
+        products = [a for a in results.admissible_actions if a not in ("click[back to search]", "click[next >]")]
+        assert (products[0] == f"click[{env.goal.asin.lower()}]") == (task.key in keys), task.description
+    finals = [oracle_episode(env, t, search="instruction") for t in first_hit[:60]]
+    assert all(
+        actions[1] == f"click[{env.world.goals[int(t.key)].asin.lower()}]" for t, (actions, _) in zip(first_hit, finals)
+    )
+    assert sum(last.won for _, last in finals) >= 0.95 * len(finals)
+
+
+def test_goals_of_some_categories(webshop_data, tasks):
+    garden = load_goals(webshop_data, "train", categories=("garden", "beauty"))
+    assert garden and {t.task_type for t in garden} == {"garden", "beauty"}
+    assert load_goals(webshop_data, "test", categories=("garden",)) == [t for t in tasks if t.task_type == "garden"]
+    with pytest.raises(ValueError, match="unknown WebShop categories \\['look'\\]"):
+        load_goals(webshop_data, "test", categories=("look",))
+    with pytest.raises(ValueError, match="unknown WebShop goal set"):
+        load_goals(webshop_data, "test", goals="easy")

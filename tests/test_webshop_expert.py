@@ -11,8 +11,9 @@ import pytest
 
 from orsd_jax.envs.webshop import WebShopEnv, load_goals
 from orsd_jax.envs.webshop.expert import goal_distance, label_actions, label_groups, session_route
-from orsd_jax.envs.webshop.oracle import OraclePolicy, title_query
+from orsd_jax.envs.webshop.oracle import OraclePolicy
 from orsd_jax.envs.webshop.pages import RESULTS_PER_PAGE, SEARCH_PLACEHOLDER, SUB_PAGES
+from orsd_jax.envs.webshop.search import search_argument
 
 N_GOALS = 30  # test goals 0-29; the oracle's purchase misses score 1 on two of them (20 and 28)
 
@@ -46,7 +47,7 @@ def goal_of(env, task):
 
 
 def search(goal):
-    return f"search[{title_query(goal.name)}]"
+    return f"search[{search_argument(goal.name)}]"
 
 
 def click(label):
@@ -103,7 +104,7 @@ def test_mistakes_are_not_expert(env, tasks):
     task, other_task = tasks[1], tasks[2]
     goal, other = goal_of(env, task), goal_of(env, other_task)
     # Another product's title: a search that does not list the goal, at the start and later.
-    assert goal.asin not in env.world.engine.search(title_query(other.name).lower())
+    assert goal.asin not in env.world.engine.search(search_argument(other.name).lower())
     labels = label_actions(env, task, [search(other), search(goal), search(other), search(goal)])
     assert [label.distance_before for label in labels] == [5, 5, 4, 5]
     assert [label.consistent for label in labels] == [False, True, False, True]

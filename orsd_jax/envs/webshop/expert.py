@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from orsd_jax.envs.base import EnvStep, Task
 from orsd_jax.envs.webshop.env import Session, WebShopEnv, parse_command
 from orsd_jax.envs.webshop.goals import Goal
-from orsd_jax.envs.webshop.oracle import title_query
 from orsd_jax.envs.webshop.pages import RESULTS_PER_PAGE, SUB_PAGES, item_page
+from orsd_jax.envs.webshop.search import search_argument
 from orsd_jax.envs.webshop.world import World
 
 Route = tuple[str, ...]
@@ -100,7 +100,7 @@ def _results_route(world: World, goal: Goal, session: Session) -> Route | None:
 
 def fresh_route(world: World, goal: Goal) -> Route | None:
     """From any page: the title search, then the results route; None if it does not list the goal."""
-    search = f"search[{title_query(goal.name)}]"
+    search = f"search[{search_argument(goal.name)}]"
     keywords = parse_command(search)[1]
     if not keywords:
         return None

@@ -50,6 +50,11 @@ def analyze(text: str) -> list[str]:
     return _porter().stemWords([w for w in words if w.strip("_") and w not in LUCENE_STOP_WORDS])
 
 
+def search_argument(text: str) -> str:
+    """``text`` as the argument of a ``search[...]`` command: brackets would break the command."""
+    return " ".join(text.replace("[", " ").replace("]", " ").split())
+
+
 def document_text(product: Product) -> str:
     """The text the original indexes for a product (its ``contents`` field)."""
     option_text = ", and ".join(f"{name}: {', '.join(values)}" for name, values in product.options)
