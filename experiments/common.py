@@ -6,12 +6,14 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import signal
 import sys
 
 from orsd_jax.batch import LAYOUTS
 from orsd_jax.config import METHODS, PRESETS, TrainConfig, VerifierSetup, preset
+from orsd_jax.envs.webshop.data import DATA_ENV_VAR, SMALL_FILES
 from orsd_jax.metrics_log import console_logging
 from orsd_jax.rubrics.generate import SELECTIONS
 from orsd_jax.rubrics.sources import SOURCES
@@ -25,7 +27,7 @@ def task_types(text: str) -> tuple[str, ...]:
 
 def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="cpu-demo" if env == "alfworld" else "tiny", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="cpu-demo", choices=sorted(PRESETS))
     p.add_argument("--method", choices=METHODS, help="default: orsd")
     p.add_argument("--out", help="run directory (default: runs/<preset>-<env>-<method>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last good checkpoint")
@@ -115,7 +117,9 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--train-pool", type=int, help="play only the first N train tasks (a fixed pool; default: all)")
     p.add_argument("--seed", type=int)
-    p.add_argument("--data-dir", help="WebShop data (default $WEBSHOP_DATA)")
+    p.add_argument(
+        "--data-dir", help=f"WebShop data (default ${DATA_ENV_VAR}, else {SHARED_WEBSHOP} beside the checkout)"
+    )
     p.add_argument(
         "--strict", action="store_true", default=None, help="stop when an ORSD update gets no rubric in any group"
     )
@@ -132,6 +136,19 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: end the process early
     return p
+
+
+# Where the project keeps WebShop's files next to a checkout (the tests read them there too).
+SHARED_WEBSHOP = pathlib.Path("..", "shared", "webshop")
+
+
+def default_webshop_data() -> None:
+    """``$WEBSHOP_DATA`` set to the shared files beside the checkout when it is unset and they are
+    there: configs keep ``data_dir`` None (no path of this machine in config.json or a warm start's
+    key), and the environment workers inherit it."""
+    shared = pathlib.Path(__file__).resolve().parent.parent / SHARED_WEBSHOP
+    if DATA_ENV_VAR not in os.environ and (shared / SMALL_FILES[0]).is_file():
+        os.environ[DATA_ENV_VAR] = str(shared.resolve())
 
 
 def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
@@ -204,7 +221,11 @@ def plan(config: TrainConfig, processes: int = 1, sampler_urls: tuple[str, ...] 
     else:
         model = ModelConfig.from_hf_config(json.loads((resolve(c.model.name) / "config.json").read_text()))
     model = dataclasses.replace(
-        model, param_dtype=c.model.dtype, compute_dtype=c.model.compute_dtype or c.model.dtype, remat=c.model.remat
+        model,
+        param_dtype=c.model.dtype,
+        compute_dtype=c.model.compute_dtype or c.model.dtype,
+        remat=c.model.remat,
+        frozen_layers=c.model.frozen_layers,
     )
     devices = c.devices or 1
     rubric_tokens = 256 if c.uses_rubrics else 0
@@ -298,6 +319,8 @@ def _stop_on(signum: int, frame) -> None:
 def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     args = parser(env, doc).parse_args(argv)  # before any game loads: the planner overwrites sys.argv
     console_logging()
+    if env == "webshop":
+        default_webshop_data()
     config = config_from_args(env, args)
     from orsd_jax import distributed
 

@@ -265,9 +265,32 @@ _CPU_WARMSTART = WarmStartRun(
 )
 
 
+# WebShop pages are long (a results page is about 900 tokens), so the prompt shows one earlier
+# page, not verl-agent's two: demonstrations average 1,040 tokens instead of about 1,200.
+_WEBSHOP_ROLLOUT = RolloutConfig(max_steps=8, history_length=1, max_prompt_tokens=2048, max_response_tokens=96)
+_CPU_WEBSHOP_WARMSTART = WarmStartRun(
+    env="webshop",
+    model=EMBEDDED,
+    # Goals whose product is the first result of searching the goal's own words, demonstrated by an
+    # oracle that copies them: the title oracle's searches (the product's title, which the prompt never
+    # shows) taught the model 59.5% valid answers and no win in 50 (docs/results/warmstart.md).
+    goals="first-hit",
+    search="instruction",
+    demo_games=48,
+    max_detours=0,
+    reasoning=False,
+    frozen_layers=22,
+    rollout=_WEBSHOP_ROLLOUT,
+    # One pass of 16 rows of up to 2,048 tokens asked for 45 GB: 8 micro-batches of 2 rows.
+    train=FinetuneConfig(
+        epochs=1, batch_size=16, micro_batches=8, optimizer=OptimizerConfig(learning_rate=5e-4, weight_decay=0.0)
+    ),
+)
+
+
 def _cpu_demo(env: str) -> TrainConfig:
-    if env != "alfworld":
-        raise ValueError("the cpu-demo preset plays ALFWorld")
+    if env == "webshop":
+        return _cpu_demo_webshop()
     return TrainConfig(
         preset="cpu-demo",
         env=EnvConfig(name="alfworld", difficulty="easy", task_types=_CPU_TASK_TYPES),
@@ -291,6 +314,21 @@ def _cpu_demo(env: str) -> TrainConfig:
         credit_every=1,  # two updates: keep both updates' rubrics and credit (about 50 KB each)
         eval_games=16,
         eval_temperature=0.4,
+    )
+
+
+def _cpu_demo_webshop() -> TrainConfig:
+    """ALFWorld's cpu-demo on WebShop: the same policy training, rubric stage and verifier, on the
+    first-hit goals after a warm start on their oracle purchases."""
+    c = _cpu_demo("alfworld")
+    return dataclasses.replace(
+        c,
+        env=EnvConfig(name="webshop", goals="first-hit"),
+        model=dataclasses.replace(c.model, warmstart=_CPU_WEBSHOP_WARMSTART),
+        rollout=dataclasses.replace(_WEBSHOP_ROLLOUT, temperature=_CPU_TEMPERATURE),
+        # Rows of up to 2,048 tokens: 16 at once would keep about 35 GB of activations (--dry-run).
+        micro_batches=4,
+        eval_games=16,
     )
 
 

@@ -177,7 +177,10 @@ def estimate(
     # float32 scores, masked scores, and the probabilities in the compute dtype, per query block
     scores = rows_per_step * heads * attention_pairs(seq_len) * (8 + a_bytes)
     one_layer = tokens * per_token + scores
-    kept = tokens * d * a_bytes * c.num_layers + one_layer if c.remat else one_layer * c.num_layers
+    # Only trained layers keep activations for the backward pass; frozen ones (below them, no
+    # gradient) need one layer's at a time.
+    trained = c.num_layers - c.frozen_layers
+    kept = tokens * d * a_bytes * trained + one_layer if c.remat else one_layer * max(trained, 1)
     mask = rows_per_step * seq_len**2  # bool [B, T, T]
     logits = 3 * rows_per_step * min(chunk_size, 2 * response_len) * c.vocab_size * 4
     flops = train_flops(c, rows, seq_len, 2 * response_len) + reference * forward_flops(c, rows, seq_len, response_len)
