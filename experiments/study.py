@@ -10,6 +10,9 @@ own), their console output in OUT/logs/<method>-seed<seed>.log (with the pid of 
 report in OUT/curves.csv, OUT/curves.png and OUT/final.md. A rerun skips finished runs, resumes killed
 ones from their last checkpoint and starts over those that died before their first.
 
+SIGTERM or SIGINT stops the study: its running runs unwind to their last checkpoint and no other
+starts; the same command again resumes them.
+
 Every other flag (--n-tasks, --group-size, --lr, --eval-games, --task-types, ...) goes to every run
 unchanged: see ``python -m experiments.train_alfworld --help``.
 """
@@ -23,13 +26,15 @@ import json
 import pathlib
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 from experiments import common
 from orsd_jax import estimate, study
-from orsd_jax.config import ENVS, METHODS, PRESETS, TrainConfig, preset, to_json
+from orsd_jax.config import ENVS, METHODS, PRESETS, TrainConfig, from_json, preset, to_json
 
 TRAINERS = {"alfworld": "experiments.train_alfworld", "webshop": "experiments.train_webshop"}
 PER_RUN = ("method", "seed", "out", "resume", "dry_run", "updates")  # training flags the study sets itself
@@ -148,43 +153,81 @@ def dry_run(plan: study.StudyPlan, configs: dict[study.RunSpec, TrainConfig], pa
     return "\n".join(lines), fits
 
 
-def execute(plan: study.StudyPlan, run: study.RunSpec, config: TrainConfig) -> Outcome:
+class Processes:
+    """The runs' processes in flight. Once the study is asked to stop (SIGTERM or SIGINT), each gets
+    SIGTERM, unwinding to its last checkpoint, and no other run starts: the same command resumes them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+        self.stopped_by: int | None = None
+
+    def start(self, argv: list[str], log) -> subprocess.Popen | None:
+        with self._lock:
+            if self.stopped_by is not None:
+                return None
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            self._running.add(process)
+            return process
+
+    def finished(self, process: subprocess.Popen) -> None:
+        with self._lock:
+            self._running.discard(process)
+
+    def stop(self, signum: int, frame=None) -> None:
+        with self._lock:
+            self.stopped_by = signum
+            for process in self._running:
+                process.send_signal(signal.SIGTERM)
+
+
+def execute(plan: study.StudyPlan, run: study.RunSpec, config: TrainConfig, processes: Processes) -> Outcome:
     """One run in its own process, so that a crash or a kill ends that run only."""
     state = study.run_state(run.directory)
     if state != "new":  # a run of another protocol must not be continued, or reported, as this one
-        saved = json.loads((run.directory / "config.json").read_text())
+        # Read as --resume reads it: fields added to TrainConfig since the run started are at their defaults.
+        saved = json.loads(to_json(from_json((run.directory / "config.json").read_text())))
         differences = study.config_differences(saved, json.loads(to_json(config)))
         if differences:
             note = f"its config.json differs in {', '.join(differences)}: choose another --out"
             return Outcome(run, "refused", 1, 0.0, note)
     if state == "finished":
         return Outcome(run, "skipped", 0, 0.0)
+    if processes.stopped_by is not None:
+        return Outcome(run, "not started", 1, 0.0, "the study was stopped")
     if state == "new" and run.directory.exists():
         shutil.rmtree(run.directory)  # killed before its first checkpoint: nothing to resume
     args = ["-m", TRAINERS[plan.env], *run_args(plan, run), *(["--resume"] if state == "resume" else [])]
     logs = plan.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     action = "resumed" if state == "resume" else "started"
-    print(f"{run.name}: {action}, log {logs / run.name}.log", flush=True)
     started = time.monotonic()
     with open(logs / f"{run.name}.log", "a") as log:
         log.write(f"$ python {shlex.join(args)}\n")
         log.flush()
-        process = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT)
+        process = processes.start([sys.executable, *args], log)
+        if process is None:
+            return Outcome(run, "not started", 1, 0.0, "the study was stopped")
         pid = logs / f"{run.name}.pid"
         pid.write_text(f"{process.pid}\n")
+        print(f"{run.name}: {action}, log {logs / run.name}.log", flush=True)
         returncode = process.wait()
+        processes.finished(process)
         pid.unlink()
     return Outcome(run, action, returncode, time.monotonic() - started)
 
 
-def run_grid(plan: study.StudyPlan, configs: dict[study.RunSpec, TrainConfig], parallel: int) -> list[Outcome]:
+def run_grid(
+    plan: study.StudyPlan, configs: dict[study.RunSpec, TrainConfig], parallel: int, processes: Processes
+) -> list[Outcome]:
     outcomes = []
     with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
-        futures = [pool.submit(execute, plan, run, configs[run]) for run in plan.runs()]
+        futures = [pool.submit(execute, plan, run, configs[run], processes) for run in plan.runs()]
         for future in concurrent.futures.as_completed(futures):
             o = future.result()
             done = "finished" if o.returncode == 0 else f"FAILED (exit {o.returncode}) {o.note}".rstrip()
+            if o.returncode and processes.stopped_by is not None:
+                done = "stopped" if o.action != "not started" else "waiting"
             print(f"{o.run.name}: {o.action}, {done}" + (f" after {o.seconds:.0f} s" if o.seconds else ""), flush=True)
             outcomes.append(o)
     return outcomes
@@ -207,9 +250,19 @@ def main(argv: list[str] | None = None) -> None:
         report, fits = dry_run(plan, configs, args.parallel)
         print(report)
         sys.exit(0 if fits else 2)
-    failed = [o.run.name for o in run_grid(plan, configs, args.parallel) if o.returncode]
+    processes = Processes()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, processes.stop)
+    failed = [o.run.name for o in run_grid(plan, configs, args.parallel, processes) if o.returncode]
     if any(study.read_records(run.directory) for run in plan.runs()):
         write_report(plan)
+    if processes.stopped_by is not None:
+        print(
+            f"stopped by {signal.Signals(processes.stopped_by).name}: {len(failed)} of {len(plan.runs())} runs are "
+            "not finished; run the same command again to resume them",
+            file=sys.stderr,
+        )
+        sys.exit(128 + processes.stopped_by)
     if failed:
         sys.exit(
             f"{len(failed)} of {len(plan.runs())} runs did not finish ({', '.join(failed)}): "

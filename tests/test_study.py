@@ -15,7 +15,7 @@ import pytest
 
 from experiments import study as cli
 from orsd_jax import estimate, study
-from orsd_jax.config import preset, to_json
+from orsd_jax.config import from_json, preset, to_json
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SEEDS = (0, 1, 2)
@@ -229,9 +229,13 @@ def test_the_grid_skips_finished_runs_and_refuses_another_protocols(fabricated):
     run = plan.runs()[0]
     config = cli.run_config(plan, run)
     assert config.method == run.method and config.seed == run.seed and config.updates == 3
-    assert cli.execute(plan, run, config) == cli.Outcome(run, "skipped", 0, 0.0)
+    assert cli.execute(plan, run, config, cli.Processes()) == cli.Outcome(run, "skipped", 0, 0.0)
+    older = json.loads((run.directory / "config.json").read_text())  # written before env.goals existed
+    del older["env"]["goals"]
+    (run.directory / "config.json").write_text(json.dumps(older))
+    assert cli.execute(plan, run, config, cli.Processes()) == cli.Outcome(run, "skipped", 0, 0.0)
     other = cli.run_config(dataclasses.replace(plan, overrides=("--lr", "0.5")), run)
-    outcome = cli.execute(plan, run, other)
+    outcome = cli.execute(plan, run, other, cli.Processes())
     assert (outcome.action, outcome.returncode) == ("refused", 1) and "optimizer.learning_rate" in outcome.note
     assert not (plan.out / "logs").exists()  # nothing started
 
@@ -246,7 +250,7 @@ def test_the_grid_resumes_from_a_checkpoint_and_starts_over_without_one(fabricat
         (run.directory / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
     (checkpointed.directory / "checkpoints" / "1").mkdir(parents=True)
     for run, action in [(checkpointed, "resumed"), (partial, "started")]:
-        outcome = cli.execute(fabricated, run, cli.run_config(fabricated, run))
+        outcome = cli.execute(fabricated, run, cli.run_config(fabricated, run), cli.Processes())
         assert (outcome.action, outcome.returncode) == (action, 1)
         log = (fabricated.out / "logs" / f"{run.name}.log").read_text()
         assert log.startswith(f"$ python -m no_such_trainer_module --preset tiny --updates 3 --method {run.method} ")
@@ -298,7 +302,8 @@ def test_dry_run_plans_a_paper_grid_and_starts_nothing(tmp_path, capsys):
 def test_the_cpu_study_preset_is_the_calibration_that_learned():
     """The preset runs the recorded command of calibration attempt 7 (docs/results/study.md), with the
     study's own evaluation, length and credit records."""
-    saved = json.loads((REPO / "docs/results/study/calibration/grpo-pool8-2x8-lr2e-4/config.json").read_text())
+    recorded = (REPO / "docs/results/study/calibration/grpo-pool8-2x8-lr2e-4/config.json").read_text()
+    saved = json.loads(to_json(from_json(recorded)))  # fields added since then at their defaults
     planned = json.loads(to_json(dataclasses.replace(preset("cpu-study"), method="grpo")))
     assert study.config_differences(saved, planned) == (
         "credit_every",
@@ -332,7 +337,8 @@ def _updates(run: pathlib.Path) -> list[tuple[int, bool]]:
 @pytest.mark.slow
 def test_tiny_grid_survives_a_killed_run_and_resumes_it(tmp_path):
     """2 methods x 2 seeds x 2 updates, all four at once; one run's process is SIGKILLed after its first
-    checkpoint; the study finishes the others, and the same command again resumes the killed one."""
+    checkpoint; the study finishes the others; the same command again resumes the killed one, is
+    stopped by SIGTERM while it runs, and a third time finishes it."""
     out = tmp_path / "study"
     grid = ["--preset", "tiny", "--methods", "grpo,orsd", "--seeds", "0,1", "--updates", "2", "--parallel", "4"]
     command = [sys.executable, "-m", "experiments.study", *grid, "--eval-games", "1", "--out", str(out)]
@@ -353,10 +359,27 @@ def test_tiny_grid_survives_a_killed_run_and_resumes_it(tmp_path):
     others = [r for r in plan.runs() if r.directory != victim]
     assert [study.run_state(r.directory) for r in others] == ["finished"] * 3
 
-    second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
-    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
-    assert "grpo-seed0: resumed, finished" in second.stdout
-    assert all(f"{r.name}: skipped, finished" in second.stdout for r in others)
+    # SIGTERM to the study while the resumed run is in flight: the run unwinds, nothing else starts.
+    second = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert second.stdout is not None
+    seen = []
+    for line in iter(second.stdout.readline, ""):
+        seen.append(line)
+        if line.startswith("grpo-seed0: resumed"):
+            break
+    run_pid = int((out / "logs" / "grpo-seed0.pid").read_text())
+    second.send_signal(signal.SIGTERM)
+    output = "".join(seen) + second.communicate(timeout=300)[0]
+    assert second.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "grpo-seed0: resumed, stopped" in output and "run the same command again to resume them" in output
+    assert study.run_state(victim) == "resume" and not list((out / "logs").glob("*.pid"))
+    with pytest.raises(ProcessLookupError):
+        os.kill(run_pid, 0)
+
+    third = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+    assert third.returncode == 0, (third.stdout + third.stderr)[-3000:]
+    assert "grpo-seed0: resumed, finished" in third.stdout
+    assert all(f"{r.name}: skipped, finished" in third.stdout for r in others)
     for run in (victim, *(r.directory for r in others)):
         assert _updates(run) == [(1, False), (2, False), (2, True)], run.name
     assert study.read_records(victim)[0] == killed[0]  # continued from its checkpoint, not started over
