@@ -57,7 +57,10 @@ class ServerOptions:
     eager: bool | None = None
     # Log-probs of the distribution the token was drawn from (after temperature, top-k, top-p).
     logprobs_mode: str = "processed_logprobs"
-    cpu_kv_cache_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE; ignored on GPU
+    # VLLM_CPU_KVCACHE_SPACE, ignored on GPU: 2 GiB hold 46k tokens of the embedded model (a rollout
+    # batch needs about 18k). At 4 GiB the two servers of a cpu-study ORSD run held 12.5 GB and the
+    # run peaked at the 24 GB of a CI-class machine (docs/results/study.md).
+    cpu_kv_cache_gib: int = 2
     gpu_memory_utilization: float | None = None  # vLLM's default (0.9) when None; GPU only
     dev_mode: bool = True  # VLLM_SERVER_DEV_MODE: /collective_rpc and /reset_prefix_cache
     extra_args: tuple[str, ...] = ()
