@@ -15,7 +15,7 @@ from orsd_jax.batch import LAYOUTS
 from orsd_jax.config import METHODS, PRESETS, TrainConfig, VerifierSetup, preset
 from orsd_jax.envs.webshop.data import DATA_ENV_VAR, SMALL_FILES
 from orsd_jax.metrics_log import console_logging
-from orsd_jax.rubrics.generate import SELECTIONS
+from orsd_jax.rubrics.generate import RANK_TARGETS, SELECTIONS
 from orsd_jax.rubrics.sources import SOURCES
 from orsd_jax.rubrics.verify import DASHSCOPE, EndpointConfig
 
@@ -51,6 +51,12 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
         choices=SELECTIONS,
         help="how a bundle is chosen (default: spearman, the paper's); "
         "gap-alignment replays every step once more with each candidate (its cost: time/selection_replay)",
+    )
+    p.add_argument(
+        "--rank-by",
+        choices=RANK_TARGETS,
+        help="what selection rank-correlates a bundle with: outcome rewards (the paper's) or returns (less "
+        "invalid-answer penalties; cpu-demo's)",
     )
     p.add_argument(
         "--memory-examples",
@@ -109,6 +115,7 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--verifier-url", help="base URL of an OpenAI-compatible endpoint (with --verifier openai)")
     p.add_argument("--verifier-model", help="model name at that endpoint")
     p.add_argument("--verifier-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key")
+    p.add_argument("--max-response-tokens", type=int, help="tokens an answer may take (the preset's otherwise)")
     p.add_argument("--eval-games", type=int)
     p.add_argument(
         "--task-types",
@@ -174,7 +181,7 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
         c,
         model=set_(c.model, name=args.model),
         env=set_(c.env, data_dir=args.data_dir, task_types=args.task_types, train_pool=args.train_pool),
-        rollout=set_(c.rollout, asynchronous=args.async_episodes),
+        rollout=set_(c.rollout, asynchronous=args.async_episodes, max_response_tokens=args.max_response_tokens),
     )
     c = set_(
         c,
@@ -185,6 +192,7 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
             source=args.rubric_source,
             source_file=args.rubric_file,
             selection=args.selection,
+            rank_by=args.rank_by,
             memory_examples=args.memory_examples,
             memory_candidate=args.memory_candidate,
             memory_size=args.memory_size,
