@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--task-types", type=task_types, help="ALFWorld task types, comma-separated (default: the preset's)")
     p.add_argument("--temperature", type=float, help="default: the preset's eval temperature")
     p.add_argument("--sampler", default="vllm", choices=["vllm", "jax"])
+    p.add_argument(
+        "--run-seed",
+        type=int,
+        help="sample as the final evaluation of a training run with this --seed does (default: the sweep's seed 0)",
+    )
     p.add_argument("--data-dir", help="WebShop data (default $WEBSHOP_DATA)")
     p.add_argument("--out", default="runs/eval", help="output directory")
     args = p.parse_args(argv)  # before any game loads: the planner overwrites sys.argv
@@ -94,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         config.rollout, temperature=config.eval_temperature if args.temperature is None else args.temperature
     )
     out = pathlib.Path(args.out)
-    summary = evaluate_policy(policy, suite, tasks, rollout, out, args.sampler, f"{policy} on {split}")
+    from orsd_jax import seeds
+
+    seed = 0 if args.run_seed is None else seeds.derive(args.run_seed, seeds.EVALUATION)
+    summary = evaluate_policy(policy, suite, tasks, rollout, out, args.sampler, f"{policy} on {split}", seed)
     print((out / "eval.md").read_text())
     print(", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
 

@@ -454,3 +454,18 @@ def test_train_pool_keeps_the_first_tasks():
     assert len(everything) > 3 and pool == everything[:3]
     with pytest.raises(ValueError, match=f"train_pool={len(everything) + 1}: the train split has {len(everything)}"):
         make_suite(dataclasses.replace(config, env=dataclasses.replace(config.env, train_pool=len(everything) + 1)))
+
+
+def test_evaluating_a_runs_policy_as_the_run_did(reference, tmp_path):
+    """``experiments.evaluate --run-seed`` plays the final evaluation of a run with that seed again,
+    episode for episode, from the exported policy."""
+    split = tmp_path / "valid_seen"
+    command = [
+        *(sys.executable, "-m", "experiments.evaluate", "--preset", "tiny", "--policy", str(reference / "policy"))
+    ]
+    command += ["--split", "valid_seen", "--sampler", "jax", "--run-seed", "0", "--out", str(split)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = reference / "eval" / "00004" / "valid_seen"
+    assert (split / "eval.csv").read_text() == (run / "eval.csv").read_text()
+    assert (split / "eval_steps.jsonl").read_text() == (run / "eval_steps.jsonl").read_text()
