@@ -1,13 +1,14 @@
 """A multi-seed study: every method x seed of a grid as a normal run directory, then one report.
 
-    python -m experiments.study --env alfworld --preset cpu-demo --methods grpo,gigpo,orsd,orsd-oracle \\
-        --seeds 0,1,2 --updates 20 --out runs/study --parallel 2
+    python -m experiments.study --env alfworld --preset cpu-study --methods grpo,gigpo,orsd,orsd-oracle \\
+        --seeds 0,1,2 --out runs/study
     python -m experiments.study --preset paper-qwen3-1.7b --methods grpo,orsd --seeds 0,1,2 --out runs/paper --dry-run
     python -m experiments.study --out runs/study --aggregate-only      # the report again, from the records
 
 Runs land in OUT/runs/<method>-seed<seed> (each one can be inspected, resumed and credit-reported on its
 own), their console output in OUT/logs/<method>-seed<seed>.log (with the pid of a running one in .pid), the
-report in OUT/curves.csv, OUT/curves.png and OUT/final.md. A rerun skips finished runs, resumes killed
+initial policy's evaluation with each seed in OUT/initial/seed<seed> (a run of 0 updates: the same games and
+sampling as that seed's final evaluations), the report in OUT/curves.csv, OUT/curves.png and OUT/final.md. A rerun skips finished runs, resumes killed
 ones from their last checkpoint and starts over those that died before their first.
 
 SIGTERM or SIGINT stops the study: its running runs unwind to their last checkpoint and no other
@@ -79,15 +80,17 @@ def study_parser() -> argparse.ArgumentParser:
 
 
 def run_args(plan: study.StudyPlan, run: study.RunSpec) -> list[str]:
-    """The training command line of one run of the grid."""
+    """The training command line of one run of the grid (the initial policy's: 0 updates of GRPO,
+    which only evaluates)."""
+    initial = run.method == study.INITIAL
     return [
         "--preset",
         plan.preset,
         "--updates",
-        str(plan.updates),
+        str(0 if initial else plan.updates),
         *plan.overrides,
         "--method",
-        run.method,
+        "grpo" if initial else run.method,
         "--seed",
         str(run.seed),
         "--out",
@@ -139,6 +142,7 @@ def dry_run(plan: study.StudyPlan, configs: dict[study.RunSpec, TrainConfig], pa
     at_once = devices * min(parallel, len(runs))
     lines += [
         "",
+        f"initial policy: evaluated once per seed in {plan.out / 'initial'}, as the runs of that seed evaluate",
         f"total: {len(runs)} runs, {episodes} training episodes, at most {steps} environment steps",
         f"devices: {devices} per run, {at_once} at once with --parallel {parallel}",
     ]
@@ -222,7 +226,7 @@ def run_grid(
 ) -> list[Outcome]:
     outcomes = []
     with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
-        futures = [pool.submit(execute, plan, run, configs[run], processes) for run in plan.runs()]
+        futures = [pool.submit(execute, plan, run, configs[run], processes) for run in plan.jobs()]
         for future in concurrent.futures.as_completed(futures):
             o = future.result()
             done = "finished" if o.returncode == 0 else f"FAILED (exit {o.returncode}) {o.note}".rstrip()
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         write_report(dataclasses.replace(found, methods=args.methods or found.methods, seeds=args.seeds or found.seeds))
         return
     plan = study_plan(args, overrides)
-    configs = {run: run_config(plan, run) for run in plan.runs()}  # a bad flag fails before anything runs
+    configs = {run: run_config(plan, run) for run in plan.jobs()}  # a bad flag fails before anything runs
     if args.dry_run:
         report, fits = dry_run(plan, configs, args.parallel)
         print(report)
@@ -254,18 +258,18 @@ def main(argv: list[str] | None = None) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, processes.stop)
     failed = [o.run.name for o in run_grid(plan, configs, args.parallel, processes) if o.returncode]
-    if any(study.read_records(run.directory) for run in plan.runs()):
+    if any(study.read_records(run.directory) for run in plan.jobs()):
         write_report(plan)
     if processes.stopped_by is not None:
         print(
-            f"stopped by {signal.Signals(processes.stopped_by).name}: {len(failed)} of {len(plan.runs())} runs are "
+            f"stopped by {signal.Signals(processes.stopped_by).name}: {len(failed)} of {len(plan.jobs())} runs are "
             "not finished; run the same command again to resume them",
             file=sys.stderr,
         )
         sys.exit(128 + processes.stopped_by)
     if failed:
         sys.exit(
-            f"{len(failed)} of {len(plan.runs())} runs did not finish ({', '.join(failed)}): "
+            f"{len(failed)} of {len(plan.jobs())} runs did not finish ({', '.join(failed)}): "
             "run the same command again to resume them"
         )
 

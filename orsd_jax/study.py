@@ -26,6 +26,9 @@ RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
 LEVEL = 0.95
 BASELINE = "grpo"  # paired differences are to this method, seed by seed
+# The initial policy, as a pseudo-method: a run of 0 updates per seed, whose final evaluation is the
+# trained runs' at that seed on the same games with the same sampling (their common starting point).
+INITIAL = "initial"
 # Where the paper's GPU hours come from: its 4 x A100 (dense bfloat16 peak) at an assumed fraction of
 # the peak over rollouts, training and evaluation together (decoding is memory-bound, so the fraction is low).
 A100_BF16_FLOPS = 312e12
@@ -58,8 +61,15 @@ class StudyPlan:
             raise ValueError("a study needs at least one method and one seed")
 
     def runs(self) -> tuple[RunSpec, ...]:
-        """Seed by seed: a grid stopped halfway has every method at the seeds it finished."""
+        """The trained runs, seed by seed: a grid stopped halfway has every method at the seeds it finished."""
         return tuple(RunSpec(m, s, self.out / "runs" / f"{m}-seed{s}") for s in self.seeds for m in self.methods)
+
+    def initial_runs(self) -> tuple[RunSpec, ...]:
+        return tuple(RunSpec(INITIAL, s, self.out / "initial" / f"seed{s}") for s in self.seeds)
+
+    def jobs(self) -> tuple[RunSpec, ...]:
+        """What the grid runs, seed by seed: the initial policy's evaluation, then every method."""
+        return tuple(run for s in self.seeds for run in self.runs() + self.initial_runs() if run.seed == s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,21 +354,21 @@ def eval_splits(finals: Iterable[dict]) -> list[str]:
 
 
 def method_table(
-    per_run: Mapping[RunSpec, dict], methods: Sequence[str], columns: Mapping[str, str], paired: bool = False
+    per_run: Mapping[RunSpec, dict], methods: Sequence[str], columns: Mapping[str, str], paired: str | None = None
 ) -> list[str]:
     """Rows: methods; columns: title -> a key of each run's values (its final record, say), each cell
-    the mean [interval] over seeds in percent (``paired``: of the difference to the baseline's run of
+    the mean [interval] over seeds in percent (``paired``: of the difference to that method's run of
     the same seed)."""
     stats = []
     for key in columns.values():
         values = {run: f[key] for run, f in per_run.items() if f.get(key) is not None}
-        stats.append(paired_differences(values) if paired else by_method(values))
+        stats.append(by_method(values) if paired is None else paired_differences(values, paired))
     rows = [
         [m, str(max((s[m].n for s in stats if m in s), default=0)), *(_cell(s.get(m)) for s in stats)]
         for m in methods
-        if not (paired and m == BASELINE)
+        if m != paired
     ]
-    return _table(["method", "pairs" if paired else "seeds", *columns], rows)
+    return _table(["method", "seeds" if paired is None else "pairs", *columns], rows)
 
 
 def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], configs: Mapping[RunSpec, dict]) -> str:
@@ -375,19 +385,26 @@ def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], c
     unfinished = [run.name for run in plan.runs() if run not in finals]
     if unfinished:
         lines += ["", f"Runs without a final evaluation (left out): {', '.join(unfinished)}."]
+    initial = any(run.method == INITIAL for run in finals)
+    rows = [*plan.methods, *([INITIAL] if initial else [])]
+    if initial:
+        lines += ["", f"`{INITIAL}`: the initial policy, evaluated per seed as that seed's runs evaluate theirs."]
     success = {s: f"eval/{s}/success/All" for s in splits}
     valid = {s: f"eval/{s}/valid_step_rate" for s in splits}
-    lines += ["", "## Evaluation success (%)", "", *method_table(finals, plan.methods, success)]
-    lines += ["", "## Valid answers in evaluation (%)", "", *method_table(finals, plan.methods, valid)]
+    lines += ["", "## Evaluation success (%)", "", *method_table(finals, rows, success)]
+    lines += ["", "## Valid answers in evaluation (%)", "", *method_table(finals, rows, valid)]
     for s in splits:
         prefix = f"eval/{s}/success/"
         logged = [k for f in finals.values() for k, v in f.items() if k.startswith(prefix) and v is not None]
         types = {k.removeprefix(prefix): k for k in dict.fromkeys(logged)}
         if len(types) > 1:  # task types besides "All"
-            lines += ["", f"## {s}: success per task type (%)", "", *method_table(finals, plan.methods, types)]
+            lines += ["", f"## {s}: success per task type (%)", "", *method_table(finals, rows, types)]
+    if initial:
+        title = "## Paired difference to the initial policy (percentage points, same seed)"
+        lines += ["", title, "", *method_table(finals, plan.methods, success, paired=INITIAL)]
     if BASELINE in plan.methods and len(plan.methods) > 1:
         title = f"## Paired difference to {BASELINE} (percentage points, same seed)"
-        lines += ["", title, "", *method_table(finals, plan.methods, success, paired=True)]
+        lines += ["", title, "", *method_table(finals, plan.methods, success, paired=BASELINE)]
     passes = {run: p for run, rs in records.items() if (p := pass_success(rs, configs[run]))}
     if passes:
         columns = {k: k for k in dict.fromkeys(k for p in passes.values() for k in p)}
@@ -404,9 +421,11 @@ def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], c
         ]
         if BASELINE in plan.methods and len(plan.methods) > 1:
             lines += ["", f"Paired difference to {BASELINE} (percentage points, same seed):", ""]
-            lines += method_table(passes, plan.methods, columns, paired=True)
+            lines += method_table(passes, plan.methods, columns, paired=BASELINE)
     rows = []
     for run, rs in records.items():
+        if run.method == INITIAL:  # no training
+            continue
         c = configs[run]
         b = budget(rs, c["n_tasks"] * c["group_size"])
         rows.append(
@@ -431,7 +450,7 @@ def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], c
 
 def write_report(plan: StudyPlan) -> tuple[pathlib.Path, ...]:
     """``curves.csv``, ``curves.png`` and ``final.md`` in ``plan.out`` from the runs' records."""
-    records = {run: rs for run in plan.runs() if (rs := read_records(run.directory))}
+    records = {run: rs for run in plan.runs() + plan.initial_runs() if (rs := read_records(run.directory))}
     if not records:
         raise FileNotFoundError(f"no run of the study in {plan.out / 'runs'} has logged metrics")
     configs = {run: json.loads((run.directory / "config.json").read_text()) for run in records}

@@ -183,6 +183,31 @@ def test_passes_are_complete_passes_of_a_pool_the_updates_divide():
     assert study.pass_success(records, config) == {}
 
 
+def test_the_initial_policy_is_a_row_and_a_baseline(fabricated):
+    """With the initial policy evaluated per seed (valid_seen 0.1 s), the tables gain its row and the
+    methods' paired differences to it."""
+    for seed in SEEDS:
+        run = fabricated.out / "initial" / f"seed{seed}"
+        run.mkdir(parents=True)
+        (run / "config.json").write_text(
+            to_json(dataclasses.replace(preset("tiny"), method="grpo", seed=seed, updates=0))
+        )
+        final = {
+            "update": 0,
+            "final": True,
+            "eval/valid_seen/success/All": 0.1 * seed,
+            "eval/valid_unseen/success/All": 0.0,
+        }
+        (run / "metrics.jsonl").write_text(json.dumps(final) + "\n")
+    md = study.write_report(fabricated)[2].read_text()
+    assert "| initial | 3 | 10.0 [0.0, 20.0] | 0.0 [0.0, 0.0] |" in md  # success: valid_seen, valid_unseen
+    paired = md.split("## Paired difference to the initial policy")[1].split("##")[0]
+    # valid_seen: GRPO 0.2 + 0.1 s, ORSD 0.5 + 0.1 s, each against the initial 0.1 s of its seed.
+    assert "| grpo | 3 | 20.0 [20.0, 20.0] | 16.7 [0.0, 50.0] |" in paired
+    assert "| orsd | 3 | 50.0 [50.0, 50.0] | 50.0 [50.0, 50.0] |" in paired
+    assert "| initial-seed" not in md  # no training budget: 0 updates
+
+
 def test_report_names_runs_without_a_final_evaluation(fabricated):
     unfinished = fabricated.runs()[0].directory / "metrics.jsonl"
     unfinished.write_text("".join(line + "\n" for line in unfinished.read_text().splitlines()[:-1]))
@@ -336,9 +361,10 @@ def _updates(run: pathlib.Path) -> list[tuple[int, bool]]:
 
 @pytest.mark.slow
 def test_tiny_grid_survives_a_killed_run_and_resumes_it(tmp_path):
-    """2 methods x 2 seeds x 2 updates, all four at once; one run's process is SIGKILLed after its first
-    checkpoint; the study finishes the others; the same command again resumes the killed one, is
-    stopped by SIGTERM while it runs, and a third time finishes it."""
+    """2 methods x 2 seeds x 2 updates and the initial policy's evaluation per seed, four at once; one
+    run's process is SIGKILLed after its first checkpoint; the study finishes the others; the same
+    command again resumes the killed one, is stopped by SIGTERM while it runs, and a third time
+    finishes it."""
     out = tmp_path / "study"
     grid = ["--preset", "tiny", "--methods", "grpo,orsd", "--seeds", "0,1", "--updates", "2", "--parallel", "4"]
     command = [sys.executable, "-m", "experiments.study", *grid, "--eval-games", "1", "--out", str(out)]
@@ -352,12 +378,12 @@ def test_tiny_grid_survives_a_killed_run_and_resumes_it(tmp_path):
     os.kill(int((out / "logs" / "grpo-seed0.pid").read_text()), signal.SIGKILL)
     output, _ = first.communicate(timeout=900)
     assert first.returncode == 1, output[-3000:]
-    assert "grpo-seed0: started, FAILED (exit -9)" in output and "1 of 4 runs did not finish (grpo-seed0)" in output
+    assert "grpo-seed0: started, FAILED (exit -9)" in output and "1 of 6 runs did not finish (grpo-seed0)" in output
     killed = study.read_records(victim)
     assert [u for u, final in _updates(victim) if final] == [] and killed[0]["update"] == 1
     plan = study.StudyPlan("alfworld", "tiny", ("grpo", "orsd"), (0, 1), 2, out)
-    others = [r for r in plan.runs() if r.directory != victim]
-    assert [study.run_state(r.directory) for r in others] == ["finished"] * 3
+    others = [r for r in plan.jobs() if r.directory != victim]
+    assert [study.run_state(r.directory) for r in others] == ["finished"] * 5
 
     # SIGTERM to the study while the resumed run is in flight: the run unwinds, nothing else starts.
     second = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -380,12 +406,15 @@ def test_tiny_grid_survives_a_killed_run_and_resumes_it(tmp_path):
     assert third.returncode == 0, (third.stdout + third.stderr)[-3000:]
     assert "grpo-seed0: resumed, finished" in third.stdout
     assert all(f"{r.name}: skipped, finished" in third.stdout for r in others)
-    for run in (victim, *(r.directory for r in others)):
+    for run in (victim, *(r.directory for r in plan.runs() if r.directory != victim)):
         assert _updates(run) == [(1, False), (2, False), (2, True)], run.name
+    for run in plan.initial_runs():  # an evaluation at update 0, with that seed's runs' sampling
+        assert _updates(run.directory) == [(0, True)] and study.read_records(run.directory)[0]["update"] == 0
     assert study.read_records(victim)[0] == killed[0]  # continued from its checkpoint, not started over
     assert not list((out / "logs").glob("*.pid"))
     rows = list(csv.DictReader((out / "curves.csv").open()))
-    assert {(r["method"], r["seed"]) for r in rows} == {(m, s) for m in ("grpo", "orsd") for s in ("0", "1")}
+    assert {(r["method"], r["seed"]) for r in rows} == {(m, s) for m in ("grpo", "orsd", "initial") for s in ("0", "1")}
     assert {r["update"] for r in rows if r["metric"] == "env/success"} == {"1", "2"}
     md = (out / "final.md").read_text()
-    assert "| grpo | 2 |" in md and "| orsd | 2 |" in md and "## Paired difference to grpo" in md
+    assert "| grpo | 2 |" in md and "| orsd | 2 |" in md and "| initial | 2 |" in md
+    assert "## Paired difference to grpo" in md and "## Paired difference to the initial policy" in md
