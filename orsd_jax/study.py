@@ -386,19 +386,19 @@ def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], c
     if unfinished:
         lines += ["", f"Runs without a final evaluation (left out): {', '.join(unfinished)}."]
     initial = any(run.method == INITIAL for run in finals)
-    rows = [*plan.methods, *([INITIAL] if initial else [])]
+    names = [*plan.methods, *([INITIAL] if initial else [])]
     if initial:
         lines += ["", f"`{INITIAL}`: the initial policy, evaluated per seed as that seed's runs evaluate theirs."]
     success = {s: f"eval/{s}/success/All" for s in splits}
     valid = {s: f"eval/{s}/valid_step_rate" for s in splits}
-    lines += ["", "## Evaluation success (%)", "", *method_table(finals, rows, success)]
-    lines += ["", "## Valid answers in evaluation (%)", "", *method_table(finals, rows, valid)]
+    lines += ["", "## Evaluation success (%)", "", *method_table(finals, names, success)]
+    lines += ["", "## Valid answers in evaluation (%)", "", *method_table(finals, names, valid)]
     for s in splits:
         prefix = f"eval/{s}/success/"
         logged = [k for f in finals.values() for k, v in f.items() if k.startswith(prefix) and v is not None]
         types = {k.removeprefix(prefix): k for k in dict.fromkeys(logged)}
         if len(types) > 1:  # task types besides "All"
-            lines += ["", f"## {s}: success per task type (%)", "", *method_table(finals, rows, types)]
+            lines += ["", f"## {s}: success per task type (%)", "", *method_table(finals, names, types)]
     if initial:
         title = "## Paired difference to the initial policy (percentage points, same seed)"
         lines += ["", title, "", *method_table(finals, plan.methods, success, paired=INITIAL)]
