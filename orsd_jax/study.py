@@ -69,7 +69,7 @@ class StudyPlan:
 
     def jobs(self) -> tuple[RunSpec, ...]:
         """What the grid runs, seed by seed: the initial policy's evaluation, then every method."""
-        return tuple(run for s in self.seeds for run in self.runs() + self.initial_runs() if run.seed == s)
+        return tuple(run for s in self.seeds for run in self.initial_runs() + self.runs() if run.seed == s)
 
 
 @dataclasses.dataclass(frozen=True)
