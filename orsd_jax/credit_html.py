@@ -82,14 +82,30 @@ def _group(g: int, group: GroupRecord, steps: Sequence[StepCredit], clip: float)
             v = s.values
             corrected_mean = float(np.mean(v["corrected"])) if len(v["corrected"]) else 0.0
             parts.append(
-                f'<div class="step"><p class="observation">step {s.step}{_expert_mark(s.expert)}: '
-                f"{html.escape(s.observation[-400:])}</p>"
+                f'<div class="step">{_observation(s)}'
                 f'<div class="response" data-key="{s.group}-{s.trajectory}-{s.step}">{_tokens(s, clip)}</div>'
                 f'<div class="values">mean corrected advantage {corrected_mean:+.3f}; '
                 f"{int(np.sum(v['gap_clipped']))} of {len(s.pieces)} gaps clipped</div></div>"
             )
     parts.append("</section>")
     return "\n".join(parts)
+
+
+# A longer observation (a WebShop results page is about 3,000 characters) is folded under its
+# first line, so that the page shows the responses' tokens; the whole text is one click away.
+FOLD_CHARS = 400
+
+
+def _observation(step: StepCredit) -> str:
+    head = f"step {step.step}{_expert_mark(step.expert)}: "
+    text = step.observation
+    if len(text) <= FOLD_CHARS:
+        return f'<p class="observation">{head}{html.escape(text)}</p>'
+    first = html.escape(text[:120].split("\n")[0])
+    return (
+        f'<details class="observation"><summary>{head}{first} ... ({len(text)} characters)</summary>'
+        f"{html.escape(text)}</details>"
+    )
 
 
 def _expert_mark(expert: bool | None) -> str:

@@ -265,13 +265,39 @@ def test_hostile_text_renders_no_element(tmp_path):
     step = StepCredit(
         0, 0, 0, HOSTILE, HOSTILE, HOSTILE, (1, 2), (HOSTILE, HOSTILE), True, 10.0, (HOSTILE,), values, True
     )
+    long = dataclasses.replace(step, step=1, observation=HOSTILE * 8)  # folded (a WebShop page's length)
     group = GroupRecord(HOSTILE, (10.0,), ((HOSTILE, HOSTILE), ()), (0.5, None), 0, HOSTILE)
     page = tmp_path / "hostile.html"
-    page.write_text(render(CreditRecord(1, (group,), (step,)), clip=1.0, title=HOSTILE))
+    page.write_text(render(CreditRecord(1, (group,), (step, long)), clip=1.0, title=HOSTILE))
     dom = rendered_dom(page)
     assert "Content-Security-Policy" in page.read_text() and "default-src 'none'" in page.read_text()
     assert "<script" not in dom and "<img" not in dom
-    assert dom.count("&lt;script&gt;") >= 6  # the text itself is shown
+    assert dom.count("&lt;script&gt;") >= 6 + 8  # the text itself is shown, the folded one whole
+
+
+def test_long_observations_are_folded_above_the_responses():
+    """A WebShop results page folds under its first line (the whole text inside ``<details>``, closed);
+    an ALFWorld observation stays shown whole; the response tokens are shown either way."""
+    from orsd_jax.credit import CreditRecord, GroupRecord, StepCredit
+    from orsd_jax.credit_html import render
+
+    values = {k: np.array([0.5]) for k in ("logp_with", "logp_without", "gap", "advantage", "corrected")}
+    values["gap_clipped"] = np.array([False])
+    page_text = "Back to Search [SEP] Page 1 (Total results: 50) [SEP] " + " [SEP] ".join(
+        f"B0{i:08d}" for i in range(300)
+    )
+    short = StepCredit(0, 0, 0, "task", "You are in the middle of a room.", "a", (1,), ("a",), True, 10.0, None, values)
+    folded = dataclasses.replace(short, step=1, observation=page_text)
+    html_text = render(
+        CreditRecord(1, (GroupRecord("task", (10.0,), (), (), None, "constant rewards"),), (short, folded)), 1.0
+    )
+    parser = _Responses()
+    parser.feed(html_text)
+    assert parser.text == {"0-0-0": "a", "0-0-1": "a"}
+    assert '<p class="observation">step 0: You are in the middle of a room.</p>' in html_text
+    details = html_text.split('<details class="observation">')[1].split("</details>")[0]
+    assert details.startswith(f"<summary>step 1: {page_text[:120]} ... ({len(page_text)} characters)</summary>")
+    assert details.endswith(page_text) and " open" not in details.split(">")[0]
 
 
 def test_gap_colours():
