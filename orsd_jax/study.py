@@ -14,6 +14,7 @@ import dataclasses
 import json
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -118,6 +119,7 @@ class Panel:
     title: str
     metric: str
     complement: bool = False  # plot 1 - value: the log has the invalid-answer rate, the panel shows valid answers
+    x: str = "update"
 
 
 PANELS = (
@@ -126,6 +128,9 @@ PANELS = (
     Panel("valid answers", "env/invalid_rate", complement=True),
     Panel("groups with a rubric", "rubric/groups_with_rubric"),
 )
+# With a fixed pool: each game against itself a pass later (``pass_success``), far less noisy than an
+# update's two games.
+PASS_PANEL = Panel("training success per pass over the pool", "pass/success", x="pass")
 
 
 # Runs on disk.
@@ -313,14 +318,28 @@ def panel_rows(rows: Iterable[Row], panel: Panel) -> list[Row]:
     return [dataclasses.replace(r, value=1 - r.value) for r in mine] if panel.complement else mine
 
 
-def plot_curves(rows: Sequence[Row], methods: Sequence[str], path: pathlib.Path, title: str) -> None:
-    """One panel per ``PANELS`` entry: each method's mean over seeds, its bootstrap band shaded."""
+def pass_rows(passes: Mapping[RunSpec, Mapping[str, float]]) -> list[Row]:
+    """``pass_success`` values as rows of ``PASS_PANEL``'s metric, the pass number in ``update``."""
+    return [
+        Row(run.method, run.seed, int(k.removeprefix("pass ")), PASS_PANEL.metric, v)
+        for run, p in passes.items()
+        for k, v in p.items()
+        if k.startswith("pass ")
+    ]
+
+
+def plot_curves(
+    rows: Sequence[Row], methods: Sequence[str], path: pathlib.Path, title: str, passes: Sequence[Row] = ()
+) -> None:
+    """One panel per ``PANELS`` entry (and ``PASS_PANEL`` with ``passes``, its rows): each method's
+    mean over seeds, its bootstrap band shaded."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, nothing shown
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(4.2 * len(PANELS), 3.6), layout="constrained")
-    for ax, panel in zip(fig.subplots(1, len(PANELS)), PANELS):
-        points = curves(panel_rows(rows, panel), [panel.metric])
+    panels = PANELS + ((PASS_PANEL,) if passes else ())
+    fig = Figure(figsize=(4.2 * len(panels), 3.6), layout="constrained")
+    for ax, panel in zip(fig.subplots(1, len(panels)), panels):
+        points = curves(panel_rows([*rows, *passes], panel), [panel.metric])
         for i, method in enumerate(methods):
             mine = [p for p in points if p.method == method]
             if mine:  # a method may not log the metric (groups with a rubric: ORSD only)
@@ -328,7 +347,7 @@ def plot_curves(rows: Sequence[Row], methods: Sequence[str], path: pathlib.Path,
                 ax.plot(x, [p.interval.mean for p in mine], color=f"C{i}", label=method, marker=".")
                 low, high = [p.interval.low for p in mine], [p.interval.high for p in mine]
                 ax.fill_between(x, low, high, color=f"C{i}", alpha=0.2)
-        ax.set(title=panel.title, xlabel="update")
+        ax.set(title=panel.title, xlabel=panel.x)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     fig.axes[0].legend()
@@ -354,7 +373,10 @@ def eval_splits(finals: Iterable[dict]) -> list[str]:
 
 
 def method_table(
-    per_run: Mapping[RunSpec, dict], methods: Sequence[str], columns: Mapping[str, str], paired: str | None = None
+    per_run: Mapping[RunSpec, Mapping[str, Any]],
+    methods: Sequence[str],
+    columns: Mapping[str, str],
+    paired: str | None = None,
 ) -> list[str]:
     """Rows: methods; columns: title -> a key of each run's values (its final record, say), each cell
     the mean [interval] over seeds in percent (``paired``: of the difference to that method's run of
@@ -371,10 +393,15 @@ def method_table(
     return _table(["method", "seeds" if paired is None else "pairs", *columns], rows)
 
 
-def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], configs: Mapping[RunSpec, dict]) -> str:
+def final_markdown(
+    plan: StudyPlan,
+    records: Mapping[RunSpec, Sequence[dict]],
+    configs: Mapping[RunSpec, dict],
+    passes: Mapping[RunSpec, Mapping[str, float]],
+) -> str:
     """``final.md``: final evaluation per split and task type, paired differences to the baseline,
-    training success per pass over the pool, and each run's interaction budget and time (``configs``:
-    the runs' config.json)."""
+    training success per pass over the pool (``passes``: each run's ``pass_success``), and each run's
+    interaction budget and time (``configs``: the runs' config.json)."""
     finals = {run: f for run, rs in records.items() if (f := final_record(rs)) is not None}
     splits, seeds = eval_splits(finals.values()), ", ".join(map(str, plan.seeds))
     lines = [
@@ -405,7 +432,6 @@ def final_markdown(plan: StudyPlan, records: Mapping[RunSpec, Sequence[dict]], c
     if BASELINE in plan.methods and len(plan.methods) > 1:
         title = f"## Paired difference to {BASELINE} (percentage points, same seed)"
         lines += ["", title, "", *method_table(finals, plan.methods, success, paired=BASELINE)]
-    passes = {run: p for run, rs in records.items() if (p := pass_success(rs, configs[run]))}
     if passes:
         columns = {k: k for k in dict.fromkeys(k for p in passes.values() for k in p)}
         pool, n_tasks = (configs[next(iter(passes))][k] for k in ("env", "n_tasks"))
@@ -458,6 +484,7 @@ def write_report(plan: StudyPlan) -> tuple[pathlib.Path, ...]:
     csv_path, png_path, md_path = plan.out / "curves.csv", plan.out / "curves.png", plan.out / "final.md"
     write_curves_csv(rows, csv_path)
     title = f"{plan.env}, preset {plan.preset}: mean over seeds, {LEVEL:.0%} bootstrap band"
-    plot_curves(rows, plan.methods, png_path, title)
-    md_path.write_text(final_markdown(plan, records, configs))
+    passes = {run: p for run, rs in records.items() if (p := pass_success(rs, configs[run]))}
+    plot_curves(rows, plan.methods, png_path, title, pass_rows(passes))
+    md_path.write_text(final_markdown(plan, records, configs, passes))
     return csv_path, png_path, md_path

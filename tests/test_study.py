@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from PIL import Image
 
 from experiments import study as cli
 from orsd_jax import estimate, study
@@ -163,12 +164,20 @@ def test_training_success_per_pass_over_a_pool(tmp_path):
     for method in ("grpo", "orsd"):
         for seed in SEEDS:
             _write_run(tmp_path, method, seed, _records(method, seed), env=pool)
-    md = study.write_report(study.StudyPlan("alfworld", "tiny", ("grpo", "orsd"), SEEDS, 3, tmp_path))[2].read_text()
+    _, png, md_path = study.write_report(study.StudyPlan("alfworld", "tiny", ("grpo", "orsd"), SEEDS, 3, tmp_path))
+    md = md_path.read_text()
     assert "| method | seeds | pass 1 | pass 2 | pass 3 | last - first |" in md
+    assert Image.open(png).size[0] == round(4.2 * 120 * (len(study.PANELS) + 1))  # the panel per pass too
     # Training success 0.1 u + 0.1 s (+0.2 for ORSD): each seed gains 0.2 from pass 1 to pass 3.
     assert "| grpo | 3 | 20.0 [10.0, 30.0] | 30.0 [20.0, 40.0] | 40.0 [30.0, 50.0] | 20.0 [20.0, 20.0] |" in md
     assert "| orsd | 3 | 40.0 [30.0, 50.0] | 50.0 [40.0, 60.0] | 60.0 [50.0, 70.0] | 20.0 [20.0, 20.0] |" in md
     assert "| orsd | 3 | 20.0 [20.0, 20.0] | 20.0 [20.0, 20.0] | 20.0 [20.0, 20.0] | 0.0 [0.0, 0.0] |" in md  # paired
+
+
+def test_pass_rows_put_the_pass_where_the_update_goes():
+    run = study.RunSpec("orsd", 2, pathlib.Path("r"))
+    rows = study.pass_rows({run: {"pass 1": 0.25, "pass 2": 0.5, "last - first": 0.25}})
+    assert rows == [study.Row("orsd", 2, 1, "pass/success", 0.25), study.Row("orsd", 2, 2, "pass/success", 0.5)]
 
 
 def test_passes_are_complete_passes_of_a_pool_the_updates_divide():
