@@ -1,5 +1,6 @@
 """EnvPool with a tiny environment that reports its process: placement, routing, errors."""
 
+import contextlib
 import os
 import time
 
@@ -101,3 +102,62 @@ def test_no_stale_reply_after_another_workers_failure():
         with pytest.raises(EnvWorkerError, match="boom"):
             pool.step(["raise", "slow"])
         assert pool.step([None, "fresh"])[1].observation.endswith(":fresh")
+
+
+# A process that starts a pool of 2 workers and gets SIGTERM (its handler raises) the moment the
+# second worker's process exists, before the worker has read its start data from the pipe.
+_SIGNALLED_START = """
+import multiprocessing.util, os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from test_env_pool import PidEnv
+from orsd_jax.envs import EnvPool
+
+class Stopped(Exception):
+    pass
+
+def stop(signum, frame):
+    raise Stopped
+
+spawn, workers = multiprocessing.util.spawnv_passfds, []
+
+def spawn_then_signal(path, args, fds):
+    pid = spawn(path, args, fds)
+    if "--multiprocessing-fork" in args:  # a worker, not multiprocessing's resource tracker
+        workers.append(pid)
+        if len(workers) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return pid
+
+signal.signal(signal.SIGTERM, stop)
+multiprocessing.util.spawnv_passfds = spawn_then_signal
+try:
+    EnvPool(PidEnv, 2, n_workers=2)
+except Stopped:
+    print(*workers)
+"""
+
+
+def test_a_signal_while_the_workers_start_stops_them_without_a_traceback():
+    """The signal's handler runs once every worker has its start data; the pool then ends them.
+    Raised between a worker's spawn and the write of its data, it made the worker die on an
+    EOFError traceback of its own on the run's stderr (seen in CI with SIGTERM to a starting run)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    import psutil
+
+    tests = pathlib.Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED_START, str(tests)],
+        cwd=tests.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    workers = [int(pid) for pid in done.stdout.split()]
+    assert len(workers) == 2
+    for pid in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

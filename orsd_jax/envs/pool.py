@@ -64,6 +64,29 @@ def _serve(conn, make_env: Callable[[], TextEnv], n_local: int) -> None:
     conn.close()
 
 
+@contextlib.contextmanager
+def _stop_signals_deferred():
+    """SIGTERM and SIGINT received inside run their handlers on leaving. A handler that raises
+    between a worker's spawn and the write of its start data to the pipe leaves the worker to die
+    on an EOFError traceback on the run's stderr (``tests/test_env_pool.py``). Only the main thread
+    owns signal handlers; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: h for s, h in previous.items() if h is not None}  # None: a handler set outside Python stays
+    for s in previous:
+        signal.signal(s, lambda signum, _frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in pending:
+            signal.raise_signal(s)
+
+
 class EnvPool:
     """``n_envs`` copies of one environment spread over ``n_workers`` processes.
 
@@ -90,18 +113,19 @@ class EnvPool:
         self.timeout = timeout
         self._conns, self._procs = [], []
         self._locks = [threading.Lock() for _ in range(n_workers)]  # one call at a time on a pipe
-        for w in range(n_workers):
-            parent, child = ctx.Pipe()
-            n_local = sum(1 for owner, _ in self._owner if owner == w)
-            proc = ctx.Process(target=_worker, args=(child, make_env, n_local), daemon=True)
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
         atexit.register(self.close)
         try:
+            with _stop_signals_deferred():
+                for w in range(n_workers):
+                    parent, child = ctx.Pipe()
+                    n_local = sum(1 for owner, _ in self._owner if owner == w)
+                    proc = ctx.Process(target=_worker, args=(child, make_env, n_local), daemon=True)
+                    proc.start()
+                    child.close()
+                    self._conns.append(parent)
+                    self._procs.append(proc)
             self._gather(range(n_workers))
-        except EnvWorkerError:
+        except BaseException:  # a failed worker, or a stop signal's exception
             self.close()
             raise
 
