@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from orsd_jax.envs.base import EnvStep, Task, TextEnv
@@ -65,7 +65,7 @@ def _serve(conn, make_env: Callable[[], TextEnv], n_local: int) -> None:
 
 
 @contextlib.contextmanager
-def _stop_signals_deferred():
+def _stop_signals_deferred() -> Iterator[None]:
     """SIGTERM and SIGINT received inside run their handlers on leaving. A handler that raises
     between a worker's spawn and the write of its start data to the pipe leaves the worker to die
     on an EOFError traceback on the run's stderr (``tests/test_env_pool.py``). Only the main thread
