@@ -74,8 +74,8 @@ def _stop_signals_deferred() -> Iterator[None]:
         yield
         return
     pending: list[int] = []
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    previous = {s: h for s, h in previous.items() if h is not None}  # None: a handler set outside Python stays
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: h for s, h in handlers.items() if h is not None}  # None: a handler set outside Python stays
     for s in previous:
         signal.signal(s, lambda signum, _frame: pending.append(signum))
     try:
@@ -83,8 +83,8 @@ def _stop_signals_deferred() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        for s in pending:
-            signal.raise_signal(s)
+        for signum in pending:
+            signal.raise_signal(signum)
 
 
 class EnvPool:
