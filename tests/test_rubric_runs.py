@@ -1,5 +1,6 @@
 """Tiny runs in which groups do get rubrics: the with-rubric replay, the rubric memory, and an exact
-resume of a run with a non-empty memory after SIGKILL.
+resume of a run with a non-empty memory after SIGKILL (the trainer's SIGKILL test: a metrics line
+cut short by the kill is dropped, config.json is not rewritten).
 
 The tiny preset's random policy never writes an answer in the format, so its groups' returns are
 equal and selection keeps no rubric. A tiny model fine-tuned for a few steps on the tiny games'
@@ -105,8 +106,13 @@ def test_exact_resume_of_a_run_with_memory_after_sigkill(readable_policy, refere
     proc.wait()
     killed_memory = json.loads((out / "rubric_memory.json").read_text())
     assert killed_memory["entries"], "the memory was empty when the run was killed: nothing to restore"
+    config_record = (out / "config.json").stat().st_mtime_ns
+    with open(out / "metrics.jsonl", "a") as f:  # as a kill in the middle of a write leaves it
+        f.write('{"update": 3, "env/succ')
     _, err = (resumed := _start(readable_policy, out, "--resume")).communicate(timeout=900)
     assert resumed.returncode == 0, err[-3000:]
+    assert "dropping its last line, cut short" in err
+    assert (out / "config.json").stat().st_mtime_ns == config_record  # not rewritten on resume
     got, want = run_metrics(out), run_metrics(reference)
     assert [r["update"] for r in got] == [*range(1, UPDATES + 1), UPDATES]
     for a, b in zip(got, want):
