@@ -61,16 +61,22 @@ class StudyPlan:
         if not self.methods or not self.seeds:
             raise ValueError("a study needs at least one method and one seed")
 
+    def _trained(self, seed: int) -> tuple[RunSpec, ...]:
+        return tuple(RunSpec(m, seed, self.out / "runs" / f"{m}-seed{seed}") for m in self.methods)
+
+    def _initial(self, seed: int) -> RunSpec:
+        return RunSpec(INITIAL, seed, self.out / "initial" / f"seed{seed}")
+
     def runs(self) -> tuple[RunSpec, ...]:
         """The trained runs, seed by seed: a grid stopped halfway has every method at the seeds it finished."""
-        return tuple(RunSpec(m, s, self.out / "runs" / f"{m}-seed{s}") for s in self.seeds for m in self.methods)
+        return tuple(run for s in self.seeds for run in self._trained(s))
 
     def initial_runs(self) -> tuple[RunSpec, ...]:
-        return tuple(RunSpec(INITIAL, s, self.out / "initial" / f"seed{s}") for s in self.seeds)
+        return tuple(self._initial(s) for s in self.seeds)
 
     def jobs(self) -> tuple[RunSpec, ...]:
         """What the grid runs, seed by seed: the initial policy's evaluation, then every method."""
-        return tuple(run for s in self.seeds for run in self.initial_runs() + self.runs() if run.seed == s)
+        return tuple(run for s in self.seeds for run in (self._initial(s), *self._trained(s)))
 
 
 @dataclasses.dataclass(frozen=True)
