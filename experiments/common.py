@@ -299,7 +299,7 @@ def plan(config: TrainConfig, processes: int = 1, sampler_urls: tuple[str, ...] 
     ]
     if c.uses_rubrics:
         lines.append(
-            f"rubric selection: {c.selection_mode}, rank-correlated with the group's {c.rubric.rank_by}s; "
+            f"rubric selection: {c.rubric.selection}, rank-correlated with the group's {c.rubric.rank_by}s; "
             f"candidates from the {c.rubric.source} source"
         )
         lines.append(

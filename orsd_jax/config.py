@@ -25,7 +25,20 @@ from orsd_jax.rubrics.verify import DASHSCOPE
 from orsd_jax.train_step import OptimizerConfig
 from orsd_jax.warmstart import FinetuneConfig, WarmStartRun
 
-METHODS = ("grpo", "gigpo", "orsd", "orsd-single", "orsd-random", "orsd-oracle", "orsd-shuffled")
+# ORSD's ablations as methods, each the rubric stage with some switches set, so that one study grid
+# compares them with the baselines: the paper's (single bundle, random selection), the rubric-source
+# controls of the credit probe, and the extensions beyond the paper (rubric memory, credit-aware
+# selection; docs/results/study.md).
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "orsd-single": {"candidates": 1, "selection": "single"},
+    "orsd-random": {"selection": "random"},
+    "orsd-oracle": {"source": "oracle"},
+    "orsd-shuffled": {"source": "shuffled"},
+    "orsd-gap-alignment": {"selection": "gap-alignment"},
+    "orsd-memory-examples": {"memory_examples": 4},
+    "orsd-memory-candidate": {"memory_candidate": True},
+}
+METHODS = ("grpo", "gigpo", "orsd", *ABLATIONS)
 ENVS = ("alfworld", "webshop")
 EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "webshop": ("test",)}
 REWARDS = ("success", "score")
@@ -168,10 +181,6 @@ class TrainConfig:
         return self.method.startswith("orsd")
 
     @property
-    def selection_mode(self) -> str:
-        return {"orsd-single": "single", "orsd-random": "random"}.get(self.method, self.rubric.selection)
-
-    @property
     def eval_splits(self) -> tuple[str, ...]:
         return self.env.eval_splits or EVAL_SPLITS[self.env.name]
 
@@ -187,18 +196,16 @@ class TrainConfig:
         )
 
     def resolved(self) -> TrainConfig:
-        """The config with the method's implications applied (GRPO/GiGPO: no correction; single: K = 1;
-        an unset normalisation: verl-agent's for the method and environment)."""
+        """The config with the method's implications applied (GRPO/GiGPO: no correction; an ablation: its
+        rubric switches; an unset normalisation: verl-agent's for the method and environment)."""
         c = self
         if c.advantage.normalize_std is None:
             normalize = verl_agent_normalize_std(c.method, c.env.name)
             c = dataclasses.replace(c, advantage=dataclasses.replace(c.advantage, normalize_std=normalize))
         if not c.uses_rubrics:
             c = dataclasses.replace(c, loss=dataclasses.replace(c.loss, coef=0.0))
-        if c.method == "orsd-single":
-            c = dataclasses.replace(c, rubric=dataclasses.replace(c.rubric, candidates=1))
-        if c.method in ("orsd-oracle", "orsd-shuffled"):  # ORSD reading oracle rubrics, of its task or another's
-            c = dataclasses.replace(c, rubric=dataclasses.replace(c.rubric, source=c.method.removeprefix("orsd-")))
+        if c.method in ABLATIONS:
+            c = dataclasses.replace(c, rubric=dataclasses.replace(c.rubric, **ABLATIONS[c.method]))
         return c
 
 

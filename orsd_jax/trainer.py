@@ -88,8 +88,8 @@ def rubric_stage(
         bundles, offered = rubric_memory.offer(memory, groups, bundles)
     before = dataclasses.replace(verifier.stats)
     targets = [rank_targets(g, c.rubric.rank_by, c.advantage) for g in groups]
-    aligned = c.selection_mode == "gap-alignment"  # verified as spearman (logged), then chosen by the replay
-    mode, rng = "spearman" if aligned else c.selection_mode, seeds.rng(c.seed, seeds.SELECTION, update)
+    aligned = c.rubric.selection == "gap-alignment"  # verified as spearman (logged), then chosen by the replay
+    mode, rng = "spearman" if aligned else c.rubric.selection, seeds.rng(c.seed, seeds.SELECTION, update)
     with timed(metrics, "verification"):
         rubrics = [
             verify_and_select(verifier, g, b, mode, rng, r, c.rubric.min_correlation)
@@ -179,7 +179,7 @@ def run_update(
     c = services.config
     metrics: dict[str, float] = {}
     with timed(metrics, "update"):
-        policy = services.policy(state) if c.selection_mode == "gap-alignment" else None
+        policy = services.policy(state) if c.rubric.selection == "gap-alignment" else None
         played = play(services, policy, update, memory, metrics) if distributed.is_main() else None
         samples = distributed.from_main(
             f"samples/{update}", list(played.samples) if played else None, samples_to_json, samples_from_json

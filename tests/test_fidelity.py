@@ -283,3 +283,31 @@ def test_repeated_criteria_count_once():
     ]
     metrics = rubric_metrics(results)
     assert metrics["rubric/repeated_criteria"] == 9 and metrics["rubric/rejected_with_repeats"] == 1
+
+
+# 12. The paper's ablations: ORSD with one switch of the rubric stage, nothing else changed.
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("method", [m for m in METHODS if m.startswith("orsd-")])
+def test_an_ablation_is_orsd_with_its_rubric_switches(env, method):
+    orsd = dataclasses.replace(preset("paper-qwen3-1.7b", env), method="orsd").resolved()
+    ablation = dataclasses.replace(orsd, method=method).resolved()
+    assert dataclasses.replace(ablation, method="orsd", rubric=orsd.rubric) == orsd
+    changed = {
+        f.name: getattr(ablation.rubric, f.name)
+        for f in dataclasses.fields(orsd.rubric)
+        if getattr(ablation.rubric, f.name) != getattr(orsd.rubric, f.name)
+    }
+    # Single bundle: one candidate, kept without selection; random: one of the K uniformly (the
+    # paper's two WebShop ablations); the rest are this project's controls and extensions.
+    expected = {
+        "orsd-single": {"candidates": 1, "selection": "single"},
+        "orsd-random": {"selection": "random"},
+        "orsd-oracle": {"source": "oracle"},
+        "orsd-shuffled": {"source": "shuffled"},
+        "orsd-gap-alignment": {"selection": "gap-alignment"},
+        "orsd-memory-examples": {"memory_examples": 4},
+        "orsd-memory-candidate": {"memory_candidate": True},
+    }
+    assert changed == expected[method]

@@ -186,8 +186,7 @@ def test_trajectory_gaps_equal_the_training_batch():
 
 
 def test_gap_alignment_selection_in_training(tmp_path):
-    config = preset("tiny")
-    train(dataclasses.replace(config, rubric=dataclasses.replace(config.rubric, selection="gap-alignment")), tmp_path)
+    train(dataclasses.replace(preset("tiny"), method="orsd-gap-alignment"), tmp_path)
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(m["time/selection_replay"] > 0 for m in metrics[:2])
     step = json.loads((tmp_path / "steps" / "00002" / "step.json").read_text())

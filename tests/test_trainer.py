@@ -90,8 +90,9 @@ TIS = dataclasses.replace(preset("tiny").loss, tis_cap=2.0)
 
 
 # All but one also run switches: truncated importance sampling, asynchronous episodes, the packed
-# layout, the rubric memory (tiny runs select no rubric, so it stays empty: its records are unit-tested).
-MEMORY = dataclasses.replace(preset("tiny").rubric, memory_examples=2, memory_candidate=True)
+# layout, the rubric memory (both uses: the method sets the candidate, the option the examples; tiny
+# runs select no rubric, so it stays empty: its records are unit-tested).
+MEMORY = dataclasses.replace(preset("tiny").rubric, memory_examples=2)
 
 
 @pytest.mark.parametrize(
@@ -100,7 +101,7 @@ MEMORY = dataclasses.replace(preset("tiny").rubric, memory_examples=2, memory_ca
         ("grpo", {"loss": TIS, "old_logprobs": "trainer"}),
         ("gigpo", {"rollout": dataclasses.replace(preset("tiny").rollout, asynchronous=True)}),
         ("orsd-single", {"replay": "packed"}),
-        ("orsd-random", {"rubric": MEMORY}),
+        ("orsd-memory-candidate", {"rubric": MEMORY}),
     ],
 )
 def test_each_method_runs_two_updates(method, options, tmp_path):
