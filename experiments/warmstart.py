@@ -69,6 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="split each optimizer step's rows into this many passes (one pass of 16 WebShop demonstrations "
         "of up to 2059 tokens asked for 45 GB)",
     )
+    p.add_argument(
+        "--pack-tokens",
+        type=int,
+        default=0,
+        help="updates of --batch-size rows of this many tokens, several demonstrations a row: one compiled "
+        "shape (default 0: a row per demonstration)",
+    )
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--max-steps", type=int, help="episode step limit (default: ALFWorld 50, WebShop 15)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048)
@@ -108,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             epochs=args.epochs,
             batch_size=args.batch_size,
             micro_batches=args.micro_batches,
+            pack_tokens=args.pack_tokens,
             optimizer=OptimizerConfig(learning_rate=args.lr, weight_decay=0.0),
         ),
     )

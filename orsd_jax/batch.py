@@ -246,6 +246,8 @@ def build_batch(
     layout: str = "packed",
     pack: bool = False,
     row_tokens: int = 0,
+    rows: Sequence[Sequence[int]] | None = None,
+    slots: int = 1,
 ) -> Batch:
     """Packs step samples into a ``Batch`` of numpy arrays in ``layout`` (``LAYOUTS``, see the
     module docstring).
@@ -255,10 +257,11 @@ def build_batch(
     a segment of its own, so fewer padding slots are computed; the sample slots (``B = rows x
     K``, K the most samples in a row) are row-major and ``Batch.sample`` says which input sample
     each holds; ``row_tokens`` makes packed rows at least that long, so that samples longer than
-    half the longest one can share rows too. Padding rows (to make the row count a multiple of ``batch_multiple``, e.g.
-    devices x micro-batches) and empty slots have no tokens and no response mask, so they add
-    nothing to any loss or count. Reference and sampler log-probs are kept when every sample has
-    them and dropped (``None``) when none has.
+    half the longest one can share rows too; ``rows`` (with ``pack``) gives the samples of each row
+    instead, and ``slots`` a least K, so that batches of one fixed shape can be built. Padding rows
+    (to make the row count a multiple of ``batch_multiple``, e.g. devices x micro-batches) and empty
+    slots have no tokens and no response mask, so they add nothing to any loss or count. Reference
+    and sampler log-probs are kept when every sample has them and dropped (``None``) when none has.
     """
     if not samples:
         raise ValueError("no step samples")
@@ -277,9 +280,16 @@ def build_batch(
     floor = row_tokens if pack else 0
     t = _round_up(max(floor, *(len(g.tokens) for g in segments)), seq_multiple)
     u = _round_up(max(floor // 2, *(len(g.rubric) for g in segments)), seq_multiple) if two_stream else 0
-    members = _rows(segments, t, u, pack)
+    if rows is None:
+        members = _rows(segments, t, u, pack)
+    else:
+        members = [list(row) for row in rows]
+        if not pack or sorted(i for row in members for i in row) != list(range(len(samples))):
+            raise ValueError("rows go with pack=True and must hold every sample exactly once")
+        if any(sum(len(segments[i].tokens) for i in row) > t for row in members):
+            raise ValueError(f"a row holds more than its {t} tokens")
     r = _round_up(len(members), batch_multiple)
-    k = max(len(m) for m in members)
+    k = max(slots, *(len(m) for m in members))
     b = r * k
     y = _round_up(max(len(s.response) for s in samples), response_multiple)
 

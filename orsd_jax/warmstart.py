@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from orsd_jax import chat
-from orsd_jax.batch import PAD, Batch, StepSample, build_batch, tree_attention_mask
+from orsd_jax.batch import Batch, StepSample, build_batch, tree_attention_mask
 from orsd_jax.demos import Demonstration, alfworld_walkthrough, walkthrough_demos, write_jsonl
 from orsd_jax.envs.base import Task, TextEnv
 from orsd_jax.loss import response_logprobs
@@ -68,8 +68,12 @@ class FinetuneConfig:
     """The warm start's supervised fine-tuning (``WarmStartRun`` is the whole warm start)."""
 
     epochs: int = 2
-    batch_size: int = 16  # step samples per update
+    batch_size: int = 16  # demonstrations per update (rows of ``pack_tokens``, when packing)
     micro_batches: int = 1
+    # > 0: every update is ``batch_size`` rows of this many tokens, filled with the shuffled
+    # demonstrations (several a row): one compiled shape for the whole warm start. 0: a row per
+    # demonstration, padded to the batch's longest, each new length compiled again.
+    pack_tokens: int = 0
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4, weight_decay=0.0)
     seed: int = 0
 
@@ -112,25 +116,98 @@ def finetune(
     optimizer = make_optimizer(config.optimizer, frozen_layers=model.config.frozen_layers)
     graphdef, state, sharding = init_train_state(model, optimizer, mesh)
     step = make_train_step(SupervisedLoss(), optimizer, graphdef, sharding)
+    rng = random.Random(config.seed)
+    orders = [shuffled_batches(len(samples), len(samples), rng)[0] for _ in range(config.epochs)]
     # Rows padded to a multiple of 8 (and of the devices x micro-batches): a short last batch of a
     # kind costs its own rows, for at most a few more compiled shapes per prompt-length bucket.
     multiple = math.lcm(mesh.size * config.micro_batches, ROW_MULTIPLE)
+    if config.pack_tokens:
+        if config.batch_size % (mesh.size * config.micro_batches):
+            raise ValueError(
+                f"batch_size {config.batch_size} rows do not split over {mesh.size} devices x micro-batches"
+            )
+        lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
+        plans = [packed_steps(lengths, order, config.batch_size, config.pack_tokens) for order in orders]
+        make = functools.partial(
+            _packed_batch,
+            samples,
+            rows=config.batch_size,
+            tokens=config.pack_tokens,
+            slots=max(len(row) for plan in plans for rows in plan for row in rows),
+            response=max(len(s.response) for s in samples),
+        )
+        epochs = [[make(rows) for rows in plan] for plan in plans]
+    else:
+        by_size = [
+            order[s : s + config.batch_size] for order in orders for s in range(0, len(order), config.batch_size)
+        ]
+        steps = [(indices, build_batch([samples[i] for i in indices], batch_multiple=multiple)) for indices in by_size]
+        per_epoch = -(-len(samples) // config.batch_size)
+        epochs = [steps[e * per_epoch : (e + 1) * per_epoch] for e in range(config.epochs)]
     frozen = None
     if model.config.frozen_layers:
-        frozen = frozen_states(graphdef, state.params, samples, config.batch_size, multiple)
-    rng = random.Random(config.seed)
+        # A row per sample, by length, so that few are padded far, even when the updates pack
+        # several a row: attention over a whole packed row costs the square of its length, and the
+        # frozen layers' pass over WebShop's packed rows took 17 minutes against 5 this way
+        # (docs/results/warmstart.md). A segment's states do not depend on the row it shares.
+        by_length = sorted(range(len(samples)), key=lambda i: len(samples[i].prefix) + len(samples[i].response))
+        chunks = [by_length[s : s + config.batch_size] for s in range(0, len(samples), config.batch_size)]
+        once = [(c, build_batch([samples[i] for i in c], batch_multiple=multiple)) for c in chunks]
+        frozen = frozen_states(graphdef, state.params, once, len(samples))
     updates = 0
-    for epoch in range(config.epochs):
-        for indices in shuffled_batches(len(samples), config.batch_size, rng):
+    for epoch, batches in enumerate(epochs):
+        for indices, batch in batches:
             started = time.perf_counter()
-            batch = build_batch([samples[i] for i in indices], batch_multiple=multiple)
             if frozen is not None:
-                batch = dataclasses.replace(batch, frozen=_pad_rows([frozen[i] for i in indices], batch.tokens.shape))
+                batch = dataclasses.replace(batch, frozen=place_states(batch, [frozen[i] for i in indices]))
             state, metrics, _ = step(state, batch, config.micro_batches)
             values = {k: float(v) for k, v in jax.device_get(metrics).items() if not k.startswith("sum/")}
             updates += 1
             log(updates, values | {"epoch": epoch, "seconds": time.perf_counter() - started})
     return nnx.merge(graphdef, state.params)
+
+
+def packed_steps(lengths: Sequence[int], order: Sequence[int], rows: int, tokens: int) -> list[list[list[int]]]:
+    """The samples of ``order`` as updates of at most ``rows`` rows of ``tokens`` tokens: each sample
+    goes into the first row of the current update with room for its ``lengths[i]`` tokens, or a new
+    row; when the update has ``rows`` rows and none has room, the next update begins."""
+    too_long = [i for i in order if lengths[i] > tokens]
+    if too_long:
+        raise ValueError(f"{len(too_long)} samples are longer than the {tokens} tokens of a packed row")
+    steps: list[list[list[int]]] = [[]]
+    free: list[int] = []
+    for i in order:
+        row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+        if row is None and len(free) == rows:
+            steps.append([])
+            free = []
+        if row is None:
+            steps[-1].append([])
+            free.append(tokens)
+            row = len(free) - 1
+        steps[-1][row].append(i)
+        free[row] -= lengths[i]
+    return steps
+
+
+def _packed_batch(
+    samples: Sequence[StepSample], step: Sequence[Sequence[int]], *, rows: int, tokens: int, slots: int, response: int
+) -> tuple[list[int], Batch]:
+    """One update of ``packed_steps`` as a batch of the one shape every update has: ``rows`` rows of
+    ``tokens``, ``slots`` samples a row, responses padded to the longest of the warm start."""
+    indices = [i for row in step for i in row]
+    at = {i: n for n, i in enumerate(indices)}
+    batch = build_batch(
+        [samples[i] for i in indices],
+        seq_multiple=tokens,
+        response_multiple=response,
+        batch_multiple=rows,
+        pack=True,
+        row_tokens=tokens,
+        rows=[[at[i] for i in row] for row in step],
+        slots=slots,
+    )
+    return indices, batch
 
 
 def shuffled_batches(n: int, batch_size: int, rng: random.Random) -> list[list[int]]:
@@ -141,12 +218,13 @@ def shuffled_batches(n: int, batch_size: int, rng: random.Random) -> list[list[i
     return [order[s : s + batch_size] for s in range(0, n, batch_size)]
 
 
-def frozen_states(graphdef, params, samples: Sequence[StepSample], batch_size: int, multiple: int) -> list[np.ndarray]:
-    """Each sample's ``CausalLM.frozen_states`` over its packed row, ``float[T_i, D]`` (``T_i``: the
-    row's tokens before padding).
+def frozen_states(graphdef, params, batches: Sequence[tuple[Sequence[int], Batch]], n: int) -> list[np.ndarray]:
+    """Each of the ``n`` samples' ``CausalLM.frozen_states``, ``float[T_i, D]`` (``T_i``: its tokens),
+    from ``batches`` that hold every sample once (an epoch's: ``(sample indices, batch)`` pairs).
 
-    Frozen weights give the same states in every epoch; computing them once leaves each update the
-    trainable layers only (memory: one ``D``-vector per demonstration token).
+    Frozen weights give the same states in every epoch, and a segment's states do not depend on
+    the row it shares: computing them once leaves each update the trainable layers only (memory:
+    one ``D``-vector per demonstration token).
     """
 
     @jax.jit
@@ -154,22 +232,27 @@ def frozen_states(graphdef, params, samples: Sequence[StepSample], batch_size: i
         model = nnx.merge(graphdef, params)
         return model.frozen_states(batch.tokens, batch.positions, mask=tree_attention_mask(batch.branch, batch.segment))
 
-    out: list[np.ndarray] = [np.empty(0)] * len(samples)
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].prefix) + len(samples[i].response))
-    for s in range(0, len(order), batch_size):
-        chunk = order[s : s + batch_size]
-        batch = build_batch([samples[i] for i in chunk], batch_multiple=multiple)
-        states, lengths = np.asarray(run(params, batch)), (batch.branch != PAD).sum(axis=1)
-        for row, i in enumerate(chunk):
-            out[i] = states[row, : lengths[row]]
+    out: list[np.ndarray] = [np.empty(0)] * n
+    for indices, batch in batches:
+        states = np.asarray(run(params, batch))
+        for (row, where), i in zip(_segments(batch), indices):
+            out[i] = states[row, where]
     return out
 
 
-def _pad_rows(rows: Sequence[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
-    """``[B, T, D]`` from per-row ``[T_i, D]`` states, zeros elsewhere (padding: masked out of every loss)."""
-    out = np.zeros((*shape, rows[0].shape[-1]), rows[0].dtype)
-    for row, states in enumerate(rows):
-        out[row, : len(states)] = states
+def _segments(batch: Batch) -> list[tuple[int, np.ndarray]]:
+    """Per input sample of ``batch``, in input order: its row and the positions of its tokens there."""
+    segment, slots = np.asarray(batch.segment), np.asarray(batch.sample)
+    k = len(slots) // len(segment)
+    return [(int(j // k), np.flatnonzero(segment[j // k] == j % k)) for j in batch.sample_slots()]
+
+
+def place_states(batch: Batch, states: Sequence[np.ndarray]) -> np.ndarray:
+    """``[R, T, D]`` of ``batch`` from its input samples' ``[T_i, D]`` states, zeros elsewhere
+    (padding: masked out of every loss)."""
+    out = np.zeros((*batch.tokens.shape, states[0].shape[-1]), states[0].dtype)
+    for (row, where), values in zip(_segments(batch), states):
+        out[row, where] = values
     return out
 
 
@@ -207,14 +290,23 @@ class WarmStartRun:
     def key(self) -> str:
         fields = dataclasses.asdict(self)
         for name, default in _LATER_FIELDS.items():  # warm starts cached before they existed keep their key
-            if fields[name] == default:
-                del fields[name]
+            *parents, leaf = name.split(".")
+            where = functools.reduce(lambda d, k: d[k], parents, fields)
+            if where[leaf] == default:
+                del where[leaf]
         text = json.dumps({"version": DEMO_VERSION, **fields}, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 # Fields added after DEMO_VERSION 4, with their defaults: they enter the cache key only when set.
-_LATER_FIELDS = {"rubric_games": 0, "env": "alfworld", "data_dir": None, "goals": "all", "search": "title"}
+_LATER_FIELDS = {
+    "rubric_games": 0,
+    "env": "alfworld",
+    "data_dir": None,
+    "goals": "all",
+    "search": "title",
+    "train.pack_tokens": 0,
+}
 
 
 @dataclasses.dataclass(frozen=True)

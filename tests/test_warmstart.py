@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from transformers import AutoTokenizer
 
-from orsd_jax import chat
+from orsd_jax import chat, warmstart
 from orsd_jax.batch import build_batch
 from orsd_jax.config import preset
 from orsd_jax.demos import alfworld_walkthrough, record_episode, walkthrough_demos
@@ -25,13 +25,17 @@ from orsd_jax.rubrics import GroupRubric, ParsedBundle, Selection, rubric_insert
 from orsd_jax.rubrics.oracle import alfworld_oracle
 from orsd_jax.samples import step_samples
 from orsd_jax.sampling.jax_sampler import JaxSampler
+from orsd_jax.train_step import OptimizerConfig
 from orsd_jax.warmstart import (
+    FinetuneConfig,
     SupervisedLoss,
     WarmStartRun,
-    _pad_rows,
     demo_sample,
     demo_source,
+    finetune,
     frozen_states,
+    packed_steps,
+    place_states,
     shuffled_batches,
     with_rubric,
 )
@@ -221,36 +225,88 @@ def test_supervised_loss_counts_answer_tokens_only(setup):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-def test_frozen_states_computed_once_give_the_same_loss_and_gradients(setup):
-    """The warm start's cached frozen-layer states (per sample, padded back into a batch) give the
-    loss and gradients of the full forward."""
-    tokenizer, fmt, model, _ = setup
+def _demo_samples(fmt, tokenizer, texts):
     from orsd_jax.demos import Demonstration
 
-    config = dataclasses.replace(model.config, frozen_layers=1)
-    frozen_model = CausalLM(config, nnx.Rngs(1))
     samples = []
-    for k, text in enumerate(
-        ["You are in a room.", "You see a drawer 1 and a desk 1. Your task is to: look at a book."]
-    ):
+    for k, text in enumerate(texts):
         prompt = chat.prompt_ids(fmt, tokenizer, text)
         answer = chat.encode(tokenizer, f"<think></think><action>go to desk {k}</action>") + [fmt.stop_token_ids[0]]
         samples.append(demo_sample(Demonstration("g", k, "", tuple(prompt), "", tuple(answer)), fmt))
+    return samples
+
+
+TEXTS = ["You are in a room.", "You see a drawer 1 and a desk 1. Your task is to: look at a book.", "Nothing happens."]
+
+
+def test_frozen_states_computed_once_give_the_same_loss_and_gradients(setup):
+    """The warm start's cached frozen-layer states (per sample, placed into a batch of one sample a row
+    or of packed rows) give the loss and gradients of the full forward."""
+    tokenizer, fmt, model, _ = setup
+    config = dataclasses.replace(model.config, frozen_layers=1)
+    frozen_model = CausalLM(config, nnx.Rngs(1))
+    samples = _demo_samples(fmt, tokenizer, TEXTS)
     lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
     graphdef, params = nnx.split(frozen_model)
-    states = frozen_states(graphdef, params, samples, batch_size=2, multiple=8)  # one padded batch
+    once = [([2, 0], build_batch([samples[2], samples[0]], pack=True)), ([1], build_batch([samples[1]]))]
+    states = frozen_states(graphdef, params, once, len(samples))  # a packed row, then one alone
     assert [s.shape for s in states] == [(n, config.hidden_size) for n in lengths]
-    batch = build_batch(samples[::-1], batch_multiple=3)  # other order, padding rows
-    cached = batch.replace(frozen=_pad_rows(states[::-1], batch.tokens.shape))
 
     def loss(p, b):
         return SupervisedLoss(chunk_size=4)(nnx.merge(graphdef, p), b)[0]
 
-    np.testing.assert_allclose(float(loss(params, cached)), float(loss(params, batch)), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(jax.grad(loss)(params, cached)), jax.tree.leaves(jax.grad(loss)(params, batch))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-    layer_grads = jax.grad(loss)(params, cached)["layers"]
-    assert all(float(jnp.abs(g[0]).max()) == 0 for g in jax.tree.leaves(layer_grads))  # the frozen layer
+    order = [1, 2, 0]
+    unpacked = build_batch([samples[i] for i in order], batch_multiple=4)  # padding rows
+    packed = build_batch([samples[i] for i in order], pack=True, row_tokens=256, rows=[[2], [0, 1]], slots=3)
+    for batch in (unpacked, packed):
+        cached = batch.replace(frozen=place_states(batch, [states[i] for i in order]))
+        np.testing.assert_allclose(float(loss(params, cached)), float(loss(params, batch)), rtol=1e-5)
+        grads = zip(jax.tree.leaves(jax.grad(loss)(params, cached)), jax.tree.leaves(jax.grad(loss)(params, batch)))
+        for a, b in grads:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        layer_grads = jax.grad(loss)(params, cached)["layers"]
+        assert not any(np.any(np.asarray(g)[0]) for g in jax.tree.leaves(layer_grads))  # the frozen layer
+    # Packed rows score each answer as its own row does: the loss sums add up.
+    np.testing.assert_allclose(float(loss(params, packed)), float(loss(params, unpacked)), rtol=1e-5)
+
+
+def test_packed_steps_fill_rows_in_order(setup):
+    """By hand: rows of 10 tokens, 2 rows an update; each sample goes into the first row with room."""
+    lengths = [6, 5, 4, 3, 7, 2, 9]
+    assert packed_steps(lengths, range(7), rows=2, tokens=10) == [[[0, 2], [1, 3]], [[4, 5], [6]]]
+    with pytest.raises(ValueError, match="1 samples are longer than the 8 tokens"):
+        packed_steps(lengths, range(7), rows=2, tokens=8)
+
+
+def test_packed_warm_start_updates_have_one_shape(setup, tmp_path):
+    """``FinetuneConfig.pack_tokens``: every update of every epoch is the same shape of batch, and
+    every demonstration is trained on once an epoch."""
+    tokenizer, fmt, model, _ = setup
+    from orsd_jax.demos import Demonstration
+
+    demos = [
+        Demonstration("g", k, "", tuple(chat.prompt_ids(fmt, tokenizer, t * (k + 1))), "", (5, 6, 7)[: 1 + k % 3])
+        for k, t in enumerate(TEXTS * 3)
+    ]
+    shapes, trained = [], []
+    config = FinetuneConfig(epochs=2, batch_size=2, pack_tokens=256, optimizer=OptimizerConfig(learning_rate=1e-3))
+    original = warmstart.make_train_step
+
+    def recording(*args, **kwargs):  # the real step, its batches noted on the way in
+        step = original(*args, **kwargs)
+
+        def wrapped(state, batch, micro_batches):
+            shapes.append(jax.tree.map(np.shape, batch))
+            trained.append(int(np.sum(batch.response_mask)))
+            return step(state, batch, micro_batches)
+
+        return wrapped
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(warmstart, "make_train_step", recording)
+        finetune(model, demos, config, fmt=fmt)
+    assert len(shapes) >= 4 and all(s == shapes[0] for s in shapes)
+    assert sum(trained) == 2 * sum(len(d.answer_ids) for d in demos)
 
 
 def test_shuffled_batches_cover_every_index_once():
