@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from orsd_jax import chat, warmstart
 from orsd_jax.batch import build_batch
 from orsd_jax.config import preset
-from orsd_jax.demos import alfworld_walkthrough, record_episode, walkthrough_demos
+from orsd_jax.demos import alfworld_walkthrough, demo_answer, record_episode, walkthrough_demos
 from orsd_jax.envs import EnvPool
 from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
 from orsd_jax.models import EMBEDDED, CausalLM, ModelConfig, resolve
@@ -316,3 +316,22 @@ def test_shuffled_batches_cover_every_index_once():
         assert sorted(i for b in batches for i in b) == list(range(53))
         assert [len(b) for b in batches] == [8] * 6 + [5]
     assert first != second
+
+
+def test_demonstration_reasons_by_hand():
+    """The think block names why, from the command alone: an ALFWorld command, and each kind of
+    WebShop click (a product id has ten letters and digits, at least one a digit)."""
+    task = 'Find me pillows with size: 28" x 28"'
+    head = f"<think>My task is to {task}. "
+    assert demo_answer(task, "open drawer 1", reasoning=False) == "<think></think><action>open drawer 1</action>"
+    expected = {
+        "open drawer 1": "The drawer 1 is closed; I open it to see inside.",
+        "search[find me pillows]": "I search for the task's own words.",
+        "click[b0743jkhbv]": "The product b0743jkhbv matches the task, so I open it.",
+        'click[28" x 28"]': 'The task asks for 28" x 28", so I choose it.',
+        "click[multicolor]": "The task asks for multicolor, so I choose it.",
+        "click[next >]": "The product the task describes is not on this page.",
+        "click[buy now]": "This product has what the task asks for, so I buy it.",
+    }
+    for command, why in expected.items():
+        assert demo_answer(task, command) == f"{head}{why}</think><action>{command}</action>"
