@@ -217,6 +217,23 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
     return c
 
 
+def _device_memory(paper_model: bool) -> tuple[float, str]:
+    """GB each device of the plan holds, and what they are: the paper's A100s for its models (a
+    plan made anywhere), else this machine's first device (a GPU's limit, or on CPU the host's
+    memory shared by its devices)."""
+    if paper_model:
+        return 80.0, "an A100 80GB"
+    import jax
+
+    from orsd_jax.estimate import GB
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+        return host / jax.local_device_count(), "this host's memory"
+    return (device.memory_stats() or {}).get("bytes_limit", 0) / GB, f"this {device.device_kind}"
+
+
 def plan(config: TrainConfig, processes: int = 1, sampler_urls: tuple[str, ...] = ()) -> tuple[str, bool]:
     """The dry-run report (for ``processes`` JAX processes and the vLLM servers at ``sampler_urls``)
     and whether the plan fits the devices."""
@@ -236,6 +253,7 @@ def plan(config: TrainConfig, processes: int = 1, sampler_urls: tuple[str, ...] 
         frozen_layers=c.model.frozen_layers,
     )
     devices = c.devices or 1
+    memory_gb, memory_of = _device_memory(c.model.name in estimate.PAPER_MODELS)
     rubric_tokens = 256 if c.uses_rubrics else 0
     seq_len = c.rollout.max_prompt_tokens + rubric_tokens + 2 * (8 + c.rollout.max_response_tokens)
     e = estimate.estimate(
@@ -247,6 +265,7 @@ def plan(config: TrainConfig, processes: int = 1, sampler_urls: tuple[str, ...] 
         micro_batches=c.micro_batches,
         fsdp=c.fsdp,
         reference=bool(c.loss.kl_coef),
+        device_memory_gb=memory_gb,
     )
     episodes = c.updates * c.n_tasks * c.group_size
     gb = estimate.GB
@@ -275,7 +294,7 @@ def plan(config: TrainConfig, processes: int = 1, sampler_urls: tuple[str, ...] 
         f"params {e.param_bytes / gb:.1f}, reference {e.reference_bytes / gb:.1f}, grads {e.grad_bytes / gb:.1f}, AdamW {e.optimizer_bytes / gb:.1f}, "
         f"accumulator {e.accumulator_bytes / gb:.1f}, gathered {e.gathered_bytes / gb:.1f}, "
         f"activations {e.activation_bytes / gb:.1f} -> total {e.total_bytes / gb:.1f} of {e.device_memory / gb:.0f} "
-        f"({'fits' if e.fits else 'DOES NOT FIT'}, 90% usable)",
+        f"({memory_of}; {'fits' if e.fits else 'DOES NOT FIT'}, 90% usable)",
         f"interaction budget: {c.updates} updates x {c.n_tasks} tasks x {c.group_size} rollouts = {episodes} episodes, "
         f"at most {episodes * c.rollout.max_steps} environment steps",
     ]

@@ -1,5 +1,7 @@
 """The training command line: dry-run plans of the paper presets, and flags mapped onto the config."""
 
+import os
+
 import pytest
 
 from experiments.common import config_from_args, main, parser
@@ -16,8 +18,17 @@ def test_dry_run_prints_the_plan(env, name, capsys):
     model = "Qwen/Qwen3-4B" if name.endswith("4b") else "Qwen/Qwen3-1.7B"
     assert f"preset {name}, method orsd, environment {env}, model {model}" in out
     assert "devices: 4 (" in out and "mesh ('data',) = (4,)" in out
-    assert "memory per device (GB):" in out and "(fits, 90% usable)" in out
+    assert "memory per device (GB):" in out and " of 80 (an A100 80GB; fits, 90% usable)" in out
     assert "interaction budget: 300 updates x 8 tasks x 8 rollouts = 19200 episodes" in out
+
+
+def test_a_cpu_plan_is_held_against_this_hosts_memory(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main("alfworld", "", ["--preset", "cpu-demo", "--dry-run"])
+    out = capsys.readouterr().out
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    assert f" of {host:.0f} (this host's memory; " in out, out
+    assert exit_.value.code == (0 if "; fits, 90% usable)" in out else 2)
 
 
 def test_dry_run_plans_two_hosts_and_attached_samplers(capsys):
