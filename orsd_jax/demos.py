@@ -36,9 +36,10 @@ _REASONS = [
     (re.compile(r"clean (.+) with (.+)"), "The task needs the {0} clean, so I clean it with the {1}."),
     (re.compile(r"use (.+)"), "I turn on the {0} to look at what I hold under its light."),
     (re.compile(r"examine (.+)"), "I examine the {0} to check it."),
-    # WebShop's commands. An option is named in the think before it is clicked, so the action can
-    # copy it from there: without a reason, a warm start clicked one of the goal's options in 6 of
-    # its 42 option clicks (docs/results/warmstart.md). A product id has ten letters and digits.
+    # WebShop's commands. An option is named in the think before it is clicked, so that the action
+    # can copy it from there (not yet measured): without a reason, a warm start clicked one of the
+    # goal's options in 6 of its 42 option clicks (docs/results/warmstart.md). A product id has ten
+    # letters and digits.
     (re.compile(r"search\[(.+)\]"), "I search for the task's own words."),
     (re.compile(r"click\[buy now\]"), "This product has what the task asks for, so I buy it."),
     (re.compile(r"click\[(?=[a-z]*\d)([a-z0-9]{10})\]"), "The product {0} matches the task, so I open it."),

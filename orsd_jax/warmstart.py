@@ -121,12 +121,12 @@ def finetune(
     # Rows padded to a multiple of 8 (and of the devices x micro-batches): a short last batch of a
     # kind costs its own rows, for at most a few more compiled shapes per prompt-length bucket.
     multiple = math.lcm(mesh.size * config.micro_batches, ROW_MULTIPLE)
+    lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
     if config.pack_tokens:
         if config.batch_size % (mesh.size * config.micro_batches):
             raise ValueError(
                 f"batch_size {config.batch_size} rows do not split over {mesh.size} devices x micro-batches"
             )
-        lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
         plans = [packed_steps(lengths, order, config.batch_size, config.pack_tokens) for order in orders]
         make = functools.partial(
             _packed_batch,
@@ -150,7 +150,7 @@ def finetune(
         # several a row: attention over a whole packed row costs the square of its length, and the
         # frozen layers' pass over WebShop's packed rows took 17 minutes against 5 this way
         # (docs/results/warmstart.md). A segment's states do not depend on the row it shares.
-        by_length = sorted(range(len(samples)), key=lambda i: len(samples[i].prefix) + len(samples[i].response))
+        by_length = sorted(range(len(samples)), key=lengths.__getitem__)  # the tail is the same for all
         chunks = [by_length[s : s + config.batch_size] for s in range(0, len(samples), config.batch_size)]
         once = [(c, build_batch([samples[i] for i in c], batch_multiple=multiple)) for c in chunks]
         frozen = frozen_states(graphdef, state.params, once, len(samples))
