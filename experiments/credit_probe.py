@@ -11,8 +11,12 @@ one (ALFWorld: the engine's planner on the live game; WebShop: the route to the 
 
 Sources: ``oracle`` (the planner's plan, or the WebShop goal, as criteria), ``policy`` (the policy's own rubric: K
 bundles written from the group, verified by the frozen policy on the same vLLM server, the best
-rank-correlated one kept, as ORSD does), ``shuffled`` (another task's oracle bundle) and
-``neutral`` (text of the oracle's shape about nothing). Writes OUT/probe.md (the table),
+rank-correlated one kept: the trainer's rubric stage of ``orsd``), ``shuffled`` (another task's
+oracle bundle) and ``neutral`` (text of the oracle's shape about nothing). Opt-in, the policy's
+rubric under an ablation's rubric stage (``config.ABLATIONS``): ``policy-gap-alignment``,
+``policy-memory-examples``, ``policy-memory-candidate``. The policy sources take the groups
+``--groups-per-update`` at a time as successive updates, so a memory fills as it would over a
+run's updates (on a frozen policy); each memory is written to OUT/memory-<source>.json. Writes OUT/probe.md (the table),
 OUT/probe.csv (one row per step and source), OUT/states.csv (the within-state scores),
 OUT/probe.json (settings and the summary) and OUT/probe.png (gap distributions).
 """
@@ -32,7 +36,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-SOURCES = ("oracle", "policy", "shuffled", "neutral")
+# A policy source -> the method whose rubric stage writes it.
+POLICY_SOURCES = {
+    "policy": "orsd",
+    "policy-gap-alignment": "orsd-gap-alignment",
+    "policy-memory-examples": "orsd-memory-examples",
+    "policy-memory-candidate": "orsd-memory-candidate",
+}
+SOURCES = ("oracle", *POLICY_SOURCES, "shuffled", "neutral")
+DEFAULT_SOURCES = ("oracle", "policy", "shuffled", "neutral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,26 +127,61 @@ def _play(args, policy, tokenizer, fmt, probe_env: ProbeEnv):
     return groups, sampler
 
 
-def _policy_rubrics(args, sampler, tokenizer, fmt, groups, advantage):
-    """The policy's own rubric per group (None where ORSD would give none), and the stage's metrics."""
-    from orsd_jax.advantages import rank_targets
-    from orsd_jax.config import preset
-    from orsd_jax.rubrics import EndpointConfig, OpenAIVerifier, generate_bundles, rubric_metrics, verify_and_select
+@dataclasses.dataclass(frozen=True)
+class RubricTools:
+    """The rubric stage's services (``trainer.RubricServices``) for the probe: its played policy as
+    writer and verifier."""
 
-    config = preset("cpu-demo").rubric
-    bundles = generate_bundles(sampler, groups, config, args.seed, tokenizer=tokenizer, fmt=fmt)
+    config: object  # TrainConfig, resolved
+    sampler: object | None
+    verifier: object
+    tokenizer: object
+    fmt: object
+    rubric_source: dict
+
+
+def staged_rubrics(tools: RubricTools, policy, groups, per_update: int):
+    """The trainer's rubric stage over ``groups``, ``per_update`` of them at a time as successive
+    updates with the rubric memory carried between them: each group's ``GroupRubric``, the memory
+    after the last, and the stage's metrics over all groups (memory offers and wins summed).
+    ``policy``: the model gap alignment replays."""
+    from orsd_jax.rubrics import rubric_metrics
+    from orsd_jax.rubrics.memory import RubricMemory
+    from orsd_jax.trainer import rubric_stage
+
+    c = tools.config
+    memory = RubricMemory(size=c.rubric.memory_size)
+    chosen, counts = [], {}
+    for update, start in enumerate(range(0, len(groups), per_update)):
+        metrics: dict[str, float] = {}
+        aligned = policy if c.rubric.selection == "gap-alignment" else None
+        rubrics, memory = rubric_stage(tools, aligned, groups[start : start + per_update], update, metrics, memory)
+        chosen += rubrics
+        for key in ("rubric/memory/offered", "rubric/memory/wins"):
+            if key in metrics:
+                counts[key] = counts.get(key, 0.0) + metrics[key]
+    return chosen, memory, rubric_metrics(chosen) | counts
+
+
+def _policy_rubrics(args, sampler, tokenizer, fmt, groups, model, source: str, out: pathlib.Path):
+    """The policy's own rubric per group under ``source``'s rubric stage (None where it gives
+    none), and the stage's metrics; a memory is written to OUT/memory-<source>.json."""
+    from orsd_jax.config import preset
+    from orsd_jax.rubrics import EndpointConfig, OpenAIVerifier
+    from orsd_jax.rubrics import memory as rubric_memory
+
+    config = dataclasses.replace(preset("cpu-demo"), method=POLICY_SOURCES[source], seed=args.seed).resolved()
     server = sampler.server  # the same frozen weights: the policy is not trained here
     verifier = OpenAIVerifier(
         EndpointConfig(
             base_url=f"{server.url}/v1", model=server.served_model_name, unix_socket=server.unix_socket, mode="logprob"
         )
     )
-    rng = np.random.default_rng(args.seed)
-    chosen = [
-        verify_and_select(verifier, g, b, "spearman", rng, rank_targets(g, config.rank_by, advantage))
-        for g, b in zip(groups, bundles)
-    ]
-    return [r.criteria for r in chosen], rubric_metrics(chosen)
+    tools = RubricTools(config, sampler, verifier, tokenizer, fmt, {})
+    chosen, memory, stage = staged_rubrics(tools, model, groups, args.groups_per_update)
+    if config.rubric.uses_memory:
+        rubric_memory.save(memory, out / f"memory-{source}.json")
+    return [r.criteria for r in chosen], stage
 
 
 def _alfworld_states(groups, per_game: int):
@@ -206,7 +253,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--generated", type=int, default=200, help="ALFWorld: generated games per held-out split")
     p.add_argument("--games-seed", type=int, default=0)
     p.add_argument("--group-size", type=int, default=2)
-    p.add_argument("--sources", default=",".join(SOURCES))
+    p.add_argument("--sources", default=",".join(DEFAULT_SOURCES), help=f"some of {', '.join(SOURCES)}")
+    p.add_argument(
+        "--groups-per-update", type=int, default=8, help="policy sources: groups per rubric stage (the memory's update)"
+    )
     p.add_argument("--within-states", type=int, default=1, help="states probed per game, from the first trajectory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/probe")
@@ -249,11 +299,13 @@ def main(argv: list[str] | None = None) -> None:
     timings["play"] = time.perf_counter() - started
     try:
         started = time.perf_counter()
-        stage = {}
-        policy_criteria = [None] * len(groups)
-        if "policy" in sources:
-            policy_criteria, stage = _policy_rubrics(args, sampler, tokenizer, fmt, groups, demo.advantage)
-        timings["policy_rubrics"] = time.perf_counter() - started
+        stage, policy_criteria = {}, {}
+        for source in [s for s in sources if s in POLICY_SOURCES]:
+            policy_criteria[source], stage[source] = _policy_rubrics(
+                args, sampler, tokenizer, fmt, groups, model, source, out
+            )
+            timings[f"rubrics_{source}"] = time.perf_counter() - started
+            started = time.perf_counter()
     finally:
         sampler.close()
     started = time.perf_counter()
@@ -264,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     oracle = [probe_env.oracle(g.task) for g in groups]
     rubrics = {
         "oracle": oracle,
-        "policy": policy_criteria,
+        **policy_criteria,
         "shuffled": rubric_sources.shuffled(oracle, [g.task for g in groups]),
         "neutral": [rubric_sources.neutral_like(c) for c in oracle],
     }
@@ -461,12 +513,17 @@ def _markdown(summary, by_type, info) -> str:
                     f"| {r['source']} | {int(r['steps'])} | {_fmt(r, 'auc_step')} [{_fmt(r, 'auc_step_lo')}, "
                     f"{_fmt(r, 'auc_step_hi')}] | {_fmt(r, 'auc_action')} [{_fmt(r, 'auc_action_lo')}, {_fmt(r, 'auc_action_hi')}] |"
                 )
-    stage = info["rubric_stage"]
-    if stage:
+    for source, stage in info["rubric_stage"].items():
+        memory = (
+            f"; the remembered bundle offered {stage['rubric/memory/offered']:.0f} times, chosen "
+            f"{stage['rubric/memory/wins']:.0f}"
+            if "rubric/memory/offered" in stage
+            else ""
+        )
         lines += [
             "",
-            f"Policy rubrics: {stage.get('rubric/groups_with_rubric', 0):.0f} of {info['games']} groups got one "
-            f"({stage.get('rubric/valid_bundles', 0):.0f} of {stage.get('rubric/bundles', 0):.0f} bundles valid).",
+            f"Rubrics of {source}: {stage.get('rubric/groups_with_rubric', 0):.0f} of {info['games']} groups got one "
+            f"({stage.get('rubric/valid_bundles', 0):.0f} of {stage.get('rubric/bundles', 0):.0f} bundles valid{memory}).",
         ]
     lines += ["", "Timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in info["timings_s"].items())]
     return "\n".join(lines) + "\n"

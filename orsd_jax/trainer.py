@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import pathlib
+import typing
 from collections.abc import Sequence
 
 import jax
@@ -42,6 +43,11 @@ from orsd_jax.samples import StepKey, step_samples
 from orsd_jax.services import Services
 from orsd_jax.train_step import TrainState
 
+if typing.TYPE_CHECKING:
+    from orsd_jax import chat
+    from orsd_jax.rubrics import Verifier
+    from orsd_jax.sampling.base import Sampler
+
 log = logging.getLogger("orsd_jax")
 
 
@@ -59,8 +65,19 @@ class UpdateResult:
     memory: RubricMemory  # the rubric memory after the update (unchanged when it is off)
 
 
+class RubricServices(typing.Protocol):
+    """What the rubric stage reads of a run's services (``Services``; the credit probe builds its own)."""
+
+    config: TrainConfig  # resolved
+    sampler: Sampler | None  # the writer, with the policy as the rubric source
+    verifier: Verifier | None
+    tokenizer: typing.Any
+    fmt: chat.ChatFormat
+    rubric_source: dict  # what a non-policy source reads (``rubric_sources.candidates``)
+
+
 def rubric_stage(
-    services: Services,
+    services: RubricServices,
     policy: CausalLM | None,
     groups: Sequence[Group],
     update: int,
@@ -71,10 +88,11 @@ def rubric_stage(
     the stage's metrics go to ``metrics``. ``policy``: the rollouts' policy, which gap alignment
     replays (None otherwise)."""
     c, verifier = services.config, services.verifier
-    assert verifier is not None and services.sampler is not None  # started by Services.start
+    assert verifier is not None  # started by Services.start
     bundles: Sequence[Sequence[ParsedBundle]]
     with timed(metrics, "rubric_writing"):
         if c.rubric.source == "policy":
+            assert services.sampler is not None
             seed = seeds.derive(c.seed, seeds.RUBRICS, update)
             tokenizer, fmt, m = services.tokenizer, services.fmt, c.rubric.memory_examples
             examples = [memory.examples(g.task.task_type, m) for g in groups] if m else None
