@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--sources", default=",".join(DEFAULT_SOURCES), help=f"some of {', '.join(SOURCES)}")
     p.add_argument(
-        "--groups-per-update", type=int, default=8, help="policy sources: groups per rubric stage (the memory's update)"
+        "--groups-per-update",
+        type=int,
+        help="policy sources: groups per rubric stage, the memory's update (default: cpu-demo's tasks per update)",
     )
     p.add_argument("--within-states", type=int, default=1, help="states probed per game, from the first trajectory")
     p.add_argument("--seed", type=int, default=0)
@@ -280,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
 
     console_logging()
     demo = preset("cpu-demo").resolved()
+    args.groups_per_update = args.groups_per_update or demo.n_tasks
     if args.policy:
         policy = resolve(args.policy)
     elif args.env == "webshop":  # no WebShop warm start yet: the embedded model as it ships
