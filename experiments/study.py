@@ -112,7 +112,15 @@ def study_plan(args: argparse.Namespace, overrides: list[str]) -> study.StudyPla
             raise SystemExit(f"--{name.replace('_', '-')} is set by the study for each run; leave it out")
     name = args.preset or common.parser(args.env, "").get_default("preset")
     updates = preset(name, args.env).updates if args.updates is None else args.updates
-    return study.StudyPlan(args.env, name, args.methods, args.seeds, updates, pathlib.Path(args.out), tuple(overrides))
+    out = pathlib.Path(args.out)
+    if list(out.glob("runs/*/config.json")):  # one report covers the directory: one protocol in it
+        found = study.discover(out)
+        if (found.env, found.preset, found.updates) != (args.env, name, updates):
+            raise SystemExit(
+                f"{out} holds a study of {found.env}, preset {found.preset}, {found.updates} updates; this one is "
+                f"{args.env}, preset {name}, {updates} updates: give it another --out"
+            )
+    return study.StudyPlan(args.env, name, args.methods, args.seeds, updates, out, tuple(overrides))
 
 
 def dry_run(plan: study.StudyPlan, configs: dict[study.RunSpec, TrainConfig], parallel: int) -> tuple[str, bool]:
@@ -259,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signum, processes.stop)
     failed = [o.run.name for o in run_grid(plan, configs, args.parallel, processes) if o.returncode]
     if any(study.read_records(run.directory) for run in plan.jobs()):
-        write_report(plan)
+        write_report(study.discover(plan.out))  # every method in the directory: ablations beside the main grid
     if processes.stopped_by is not None:
         print(
             f"stopped by {signal.Signals(processes.stopped_by).name}: {len(failed)} of {len(plan.jobs())} runs are "

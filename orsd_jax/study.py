@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from orsd_jax import metrics_log
-from orsd_jax.config import METHODS, TrainConfig
+from orsd_jax.config import ABLATIONS, METHODS, TrainConfig
 from orsd_jax.estimate import forward_flops, train_flops
 from orsd_jax.models import ModelConfig
 
@@ -27,6 +27,7 @@ RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
 LEVEL = 0.95
 BASELINE = "grpo"  # paired differences are to this method, seed by seed
+ORSD = "orsd"  # and ORSD's ablations' to ORSD too: what each switch changes, seed by seed
 # The initial policy, as a pseudo-method: a run of 0 updates per seed, whose final evaluation is the
 # trained runs' at that seed on the same games with the same sampling (their common starting point).
 INITIAL = "initial"
@@ -399,6 +400,14 @@ def method_table(
     return _table(["method", "seeds" if paired is None else "pairs", *columns], rows)
 
 
+def pairings(methods: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """The paired tables: (baseline, the methods compared with it): every method with GRPO, and
+    ORSD's ablations with ORSD."""
+    out = [(BASELINE, tuple(methods))] if BASELINE in methods and len(methods) > 1 else []
+    ablations = tuple(m for m in methods if m in ABLATIONS)
+    return out + ([(ORSD, ablations)] if ORSD in methods and ablations else [])
+
+
 def final_markdown(
     plan: StudyPlan,
     records: Mapping[RunSpec, Sequence[dict]],
@@ -435,9 +444,9 @@ def final_markdown(
     if initial:
         title = "## Paired difference to the initial policy (percentage points, same seed)"
         lines += ["", title, "", *method_table(finals, plan.methods, success, paired=INITIAL)]
-    if BASELINE in plan.methods and len(plan.methods) > 1:
-        title = f"## Paired difference to {BASELINE} (percentage points, same seed)"
-        lines += ["", title, "", *method_table(finals, plan.methods, success, paired=BASELINE)]
+    for baseline, methods in pairings(plan.methods):
+        title = f"## Paired difference to {baseline} (percentage points, same seed)"
+        lines += ["", title, "", *method_table(finals, methods, success, paired=baseline)]
     if passes:
         columns = {k: k for k in dict.fromkeys(k for p in passes.values() for k in p)}
         pool, n_tasks = (configs[next(iter(passes))][k] for k in ("env", "n_tasks"))
@@ -451,9 +460,9 @@ def final_markdown(
             "",
             *method_table(passes, plan.methods, columns),
         ]
-        if BASELINE in plan.methods and len(plan.methods) > 1:
-            lines += ["", f"Paired difference to {BASELINE} (percentage points, same seed):", ""]
-            lines += method_table(passes, plan.methods, columns, paired=BASELINE)
+        for baseline, methods in pairings(plan.methods):
+            lines += ["", f"Paired difference to {baseline} (percentage points, same seed):", ""]
+            lines += method_table(passes, methods, columns, paired=baseline)
     rows = []
     for run, rs in records.items():
         if run.method == INITIAL:  # no training

@@ -233,6 +233,27 @@ def test_aggregate_only_finds_the_runs_and_rewrites_the_report(fabricated, capsy
     assert "| grpo |" not in (fabricated.out / "final.md").read_text()
 
 
+def test_ablations_are_paired_with_orsd_in_one_report_of_the_directory(fabricated):
+    """An ablation run later into the same directory (valid_seen: ORSD's, +10 points on seeds 1 and 2)
+    joins the report, paired with GRPO like every method and with ORSD like its ablations."""
+    for seed in SEEDS:
+        records = _records("orsd", seed)
+        records[-1] = records[-1] | {"eval/valid_seen/success/All": 0.5 + 0.1 * seed + 0.1 * (seed > 0)}
+        _write_run(fabricated.out, "orsd-memory-candidate", seed, records)
+    plan = study.discover(fabricated.out)
+    assert plan.methods == ("grpo", "orsd", "orsd-memory-candidate")
+    md = study.write_report(plan)[2].read_text()
+    to_orsd = md.split("## Paired difference to orsd ")[1].split("##")[0]
+    assert "| orsd-memory-candidate | 3 | 6.7 [0.0, 10.0] | 0.0 [0.0, 0.0] |" in to_orsd  # valid_seen, valid_unseen
+    assert "| grpo |" not in to_orsd
+    to_grpo = md.split("## Paired difference to grpo ")[1].split("##")[0]
+    assert (
+        "| orsd | 3 | 30.0 [30.0, 30.0] |" in to_grpo and "| orsd-memory-candidate | 3 | 36.7 [30.0, 40.0] |" in to_grpo
+    )
+    with pytest.raises(SystemExit, match="holds a study of alfworld, preset tiny, 3 updates"):
+        cli.main(["--preset", "tiny", "--updates", "5", "--methods", "orsd", "--seeds", "0", "--out", str(plan.out)])
+
+
 # Runs on disk and the grid.
 
 
