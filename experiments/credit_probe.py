@@ -16,7 +16,8 @@ oracle bundle) and ``neutral`` (text of the oracle's shape about nothing). Opt-i
 rubric under an ablation's rubric stage (``config.ABLATIONS``): ``policy-gap-alignment``,
 ``policy-memory-examples``, ``policy-memory-candidate``. The policy sources take the groups
 ``--groups-per-update`` at a time as successive updates, so a memory fills as it would over a
-run's updates (on a frozen policy); each memory is written to OUT/memory-<source>.json. Writes OUT/probe.md (the table),
+run's updates (on a frozen policy); each writes its candidates and selections to
+OUT/rubrics-<source>.json, and its memory to OUT/memory-<source>.json. Writes OUT/probe.md (the table),
 OUT/probe.csv (one row per step and source), OUT/states.csv (the within-state scores),
 OUT/probe.json (settings and the summary) and OUT/probe.png (gap distributions).
 """
@@ -165,8 +166,10 @@ def staged_rubrics(tools: RubricTools, policy, groups, per_update: int):
 
 def _policy_rubrics(args, sampler, tokenizer, fmt, groups, model, source: str, out: pathlib.Path):
     """The policy's own rubric per group under ``source``'s rubric stage (None where it gives
-    none), and the stage's metrics; a memory is written to OUT/memory-<source>.json."""
+    none), and the stage's metrics. Each group's candidates and selection are written to
+    OUT/rubrics-<source>.json, a memory to OUT/memory-<source>.json."""
     from orsd_jax.config import preset
+    from orsd_jax.credit import rubric_record
     from orsd_jax.rubrics import EndpointConfig, OpenAIVerifier
     from orsd_jax.rubrics import memory as rubric_memory
 
@@ -179,6 +182,9 @@ def _policy_rubrics(args, sampler, tokenizer, fmt, groups, model, source: str, o
     )
     tools = RubricTools(config, sampler, verifier, tokenizer, fmt, {})
     chosen, memory, stage = staged_rubrics(tools, model, groups, args.groups_per_update)
+    names = game_names([g.task.key for g in groups])
+    records = [{"game": names[g.task.key], **rubric_record(r)} for g, r in zip(groups, chosen)]
+    (out / f"rubrics-{source}.json").write_text(json.dumps(records, indent=1))
     if config.rubric.uses_memory:
         rubric_memory.save(memory, out / f"memory-{source}.json")
     return [r.criteria for r in chosen], stage

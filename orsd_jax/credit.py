@@ -59,6 +59,18 @@ def expert_labels(groups: Sequence[Group], make_env: Callable[[], TextEnv]) -> l
         env.close()
 
 
+def rubric_record(r: GroupRubric) -> dict:
+    """A group's rubric stage as JSON: the candidates (criteria and why one was rejected), their
+    satisfaction per trajectory, correlations, and the selection."""
+    return {
+        "candidates": [{"criteria": list(b.criteria), "reason": b.reason} for b in r.bundles],
+        "satisfaction": _nan_as_none(r.satisfaction),
+        "correlations": [None if np.isnan(c) else float(c) for c in r.selection.correlations],
+        "chosen": r.selection.index,
+        "reason": r.selection.reason,
+    }
+
+
 def save_credit(
     run_dir: str | os.PathLike,
     update: int,
@@ -105,18 +117,7 @@ def save_credit(
             }
             for g, group_returns, experts in zip(groups, returns, expert)
         ],
-        "rubrics": None
-        if rubrics is None
-        else [
-            {
-                "candidates": [{"criteria": list(b.criteria), "reason": b.reason} for b in r.bundles],
-                "satisfaction": _nan_as_none(r.satisfaction),
-                "correlations": [None if np.isnan(c) else float(c) for c in r.selection.correlations],
-                "chosen": r.selection.index,
-                "reason": r.selection.reason,
-            }
-            for r in rubrics
-        ],
+        "rubrics": None if rubrics is None else [rubric_record(r) for r in rubrics],
     }
     (directory / "step.json").write_text(json.dumps(payload))
     for k, m in enumerate(minibatches):
