@@ -268,7 +268,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--within-states", type=int, default=1, help="states probed per game, from the first trajectory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/probe")
+    p.add_argument(
+        "--summarise-only", action="store_true", help="write the records again from OUT's scores, replaying nothing"
+    )
     args = p.parse_args(argv)  # before any game loads: the planner overwrites sys.argv
+    if args.summarise_only:
+        return summarise_again(pathlib.Path(args.out))
     sources = tuple(s for s in args.sources.split(",") if s)
     if unknown := set(sources) - set(SOURCES):
         raise SystemExit(f"unknown sources {sorted(unknown)}; expected some of {SOURCES}")
@@ -282,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     from orsd_jax.demos import demo_answer
     from orsd_jax.metrics_log import console_logging
     from orsd_jax.models import EMBEDDED, load_model, resolve
-    from orsd_jax.probe import ProbeState, ProbeStep, branch_logprobs, summarise, token_classes
+    from orsd_jax.probe import ProbeState, ProbeStep, branch_logprobs, token_classes
     from orsd_jax.rubrics import rubric_insert
     from orsd_jax.rubrics import sources as rubric_sources
 
@@ -389,13 +394,38 @@ def main(argv: list[str] | None = None) -> None:
         )
     timings["score_states"] = time.perf_counter() - started
 
+    counts = {
+        "games": len(groups),
+        "episodes": sum(len(g.trajectories) for g in groups),
+        "won": sum(t.won for g in groups for t in g.trajectories),
+    }
+    scored = {"steps": steps, "states": probed, "stage": stage, "timings": timings, "counts": counts}
     with open(out / "scored.pkl", "wb") as f:  # the scores, to summarise again without replaying
-        pickle.dump({"steps": steps, "states": probed, "stage": stage, "timings": timings}, f)
-    demo_loss = demo.loss
-    args.coef, args.clip = demo_loss.coef, demo_loss.clip
-    summary = summarise(steps, probed, sources, coef=demo_loss.coef, clip=demo_loss.clip, seed=args.seed)
-    _write(out, args, policy, steps, probed, sources, summary, stage, timings, groups)
+        pickle.dump(scored, f)
+    settings = vars(args) | {"policy": pathlib.Path(policy).name, "coef": demo.loss.coef, "clip": demo.loss.clip}
+    _report(out, settings, scored)
+
+
+def _report(out: pathlib.Path, settings: dict, scored: dict) -> None:
+    """The probe's records in ``out`` from its scores (``scored.pkl``'s) and settings."""
+    from orsd_jax.probe import summarise
+
+    sources = tuple(s for s in settings["sources"].split(",") if s)
+    paired = {s: "policy" for s in POLICY_SOURCES if s != "policy" and s in sources and "policy" in sources}
+    steps, states = scored["steps"], scored["states"]
+    options = dict(coef=settings["coef"], clip=settings["clip"], seed=settings["seed"])
+    summary = summarise(steps, states, sources, paired=paired, **options)
+    _write(out, settings, steps, states, sources, summary, scored)
     print((out / "probe.md").read_text())
+
+
+def summarise_again(out: pathlib.Path) -> None:
+    """``--summarise-only``: the records again from OUT/scored.pkl and OUT/probe.json's settings."""
+    with open(out / "scored.pkl", "rb") as f:
+        scored = pickle.load(f)
+    info = json.loads((out / "probe.json").read_text())
+    scored.setdefault("counts", {k: info[k] for k in ("games", "episodes", "won")})  # written before the counts were
+    _report(out, info["settings"], scored)
 
 
 def game_names(keys) -> dict[str, str]:
@@ -409,7 +439,7 @@ def game_names(keys) -> dict[str, str]:
     return {k: str(pathlib.Path(k).relative_to(root)) for k in keys}
 
 
-def _write(out, args, policy, steps, states, sources, summary, stage, timings, groups):
+def _write(out, settings, steps, states, sources, summary, scored):
     from orsd_jax.probe import ACTION, FORMAT, summarise
 
     names = game_names([s.game for s in steps] + [st.game for st in states])
@@ -465,18 +495,20 @@ def _write(out, args, policy, steps, states, sources, summary, stage, timings, g
     by_type = {}
     for t in sorted({s.task_type for s in steps}):
         by_type[t] = summarise(
-            [s for s in steps if s.task_type == t], [], sources, coef=args.coef, clip=args.clip, n_boot=500
+            [s for s in steps if s.task_type == t],
+            [],
+            sources,
+            coef=settings["coef"],
+            clip=settings["clip"],
+            n_boot=500,
         )
-    settings = {k: v for k, v in vars(args).items()} | {"policy": str(pathlib.Path(policy).name)}
     info = {
         "settings": settings,
         "summary": summary,
         "by_type": by_type,
-        "rubric_stage": stage,
-        "timings_s": timings,
-        "games": len(groups),
-        "episodes": sum(len(g.trajectories) for g in groups),
-        "won": sum(t.won for g in groups for t in g.trajectories),
+        "rubric_stage": scored["stage"],
+        "timings_s": scored["timings"],
+        **scored["counts"],
     }
     (out / "probe.json").write_text(json.dumps(info, indent=2, default=float))
     (out / "probe.md").write_text(_markdown(summary, by_type, info))
@@ -508,6 +540,20 @@ def _markdown(summary, by_type, info) -> str:
             f"| {_fmt(r, 'gap_expert', 3)} | {_fmt(r, 'gap_other', 3)} | {_fmt(r, 'gap_format_tokens', 3)} "
             f"| {_fmt(r, 'sign_flips', 3)} | {_fmt(r, 'gap_outcome_spearman')} | {top1} | {_fmt(r, 'within_state_auc')} |"
         )
+    if pairs := [r for r in summary if r.get("paired_steps")]:
+        lines += [
+            "",
+            "On the steps both scored (each source's rubric and the reference's), paired over the same game resamples:",
+            "",
+            "| source | reference | steps | AUC step gap | reference's AUC | difference [95%] |",
+            "|---|---|---:|---:|---:|---|",
+        ]
+        lines += [
+            f"| {r['source']} | {r['paired_with']} | {int(r['paired_steps'])} | {_fmt(r, 'paired_auc')} "
+            f"| {_fmt(r, 'paired_auc_reference')} | {_fmt(r, 'paired_auc_diff')} "
+            f"[{_fmt(r, 'paired_auc_diff_lo')}, {_fmt(r, 'paired_auc_diff_hi')}] |"
+            for r in pairs
+        ]
     for task_type, rows in by_type.items():
         lines += [
             "",

@@ -30,7 +30,7 @@ from flax import nnx
 
 from orsd_jax.batch import PAD, SHARED, tree_attention_mask
 from orsd_jax.loss import slot_logprobs
-from orsd_jax.probe_stats import bootstrap_auc, within_state_auc
+from orsd_jax.probe_stats import auc, bootstrap_auc, bootstrap_auc_difference, within_state_auc
 
 OTHER, ACTION, FORMAT = 0, 1, 2  # token classes of an answer
 _TAGS = ("<think>", "</think>", "<action>", "</action>")
@@ -206,6 +206,21 @@ def _mean(values: np.ndarray, where: np.ndarray) -> float:
     return float(values[where].mean()) if where.any() else float("nan")
 
 
+def _paired_auc(steps: Sequence[ProbeStep], source: str, reference: str, n_boot: int, seed: int) -> dict:
+    both = [s for s in steps if reference in s.gaps]
+    row: dict = {"paired_with": reference, "paired_steps": float(len(both))}
+    if both:
+        labels, games = np.array([s.expert for s in both], bool), [s.game for s in both]
+        mine, theirs = (np.array([float(s.gaps[k].mean()) for s in both]) for k in (source, reference))
+        row["paired_auc"], row["paired_auc_reference"] = (
+            auc(mine[labels], mine[~labels]),
+            auc(theirs[labels], theirs[~labels]),
+        )
+        diff = bootstrap_auc_difference(mine, theirs, labels, games, n_boot, seed)
+        row["paired_auc_diff"], row["paired_auc_diff_lo"], row["paired_auc_diff_hi"] = diff
+    return row
+
+
 def summarise(
     steps: Sequence[ProbeStep],
     states: Sequence[ProbeState],
@@ -215,9 +230,12 @@ def summarise(
     clip: float,
     n_boot: int = 2000,
     seed: int = 0,
+    paired: Mapping[str, str] | None = None,
 ) -> list[dict[str, float | str]]:
     """One row per source: the pooled AUCs with 95% intervals over games, mean gaps, sign flips,
-    the gap's correlation with the outcome, format-token gaps, and the within-state measures."""
+    the gap's correlation with the outcome, format-token gaps, and the within-state measures.
+    ``paired``: source -> a reference source; on the steps both scored, the step-gap AUC of each
+    and their difference, with its interval from the same game resamples."""
     from scipy.stats import spearmanr
 
     out: list[dict[str, float | str]] = []
@@ -256,6 +274,8 @@ def summarise(
         rho = spearmanr(traj_gap, traj_ret).statistic if len(set(traj_ret)) > 1 else float("nan")
         row["gap_outcome_spearman"] = float(rho)
         row["steps_without_rubric"] = float(len(steps) - len(have))
+        if paired and (reference := paired.get(source)):
+            row |= _paired_auc(have, source, reference, n_boot, seed)
         with_states = [s for s in states if source in s.with_rubric and s.expert.any() and not s.expert.all()]
         if with_states:
             row["states"] = float(len(with_states))

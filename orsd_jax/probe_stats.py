@@ -67,6 +67,41 @@ def within_state_auc(
     return favourable / pairs if pairs else float("nan")
 
 
+def _resampled_aucs(
+    scores: np.ndarray, labels: np.ndarray, clusters: Sequence[Hashable], n_boot: int, seed: int
+) -> tuple[float, np.ndarray]:
+    """The AUC of ``scores`` and its ``n_boot`` cluster resamples (NaN where a resample lacks a
+    class), each resample drawn as ``bootstrap_auc`` says: for one seed and one set of clusters,
+    the same draws whatever the scores, so two scores' resamples pair up."""
+    if not len(scores) == len(labels) == len(clusters):
+        raise ValueError(f"{len(scores)} scores, {len(labels)} labels and {len(clusters)} clusters")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be at least 1, got {n_boot}")
+    cluster_ids = _codes(clusters)
+    n_clusters = int(cluster_ids.max()) + 1 if len(cluster_ids) else 0
+    pos, neg = scores[labels], scores[~labels]
+    point = auc(pos, neg)
+    if n_clusters == 0:
+        return point, np.full(n_boot, np.nan)
+    draws = np.random.default_rng(seed).integers(n_clusters, size=(n_boot, n_clusters))
+    pos_cluster, neg_cluster = cluster_ids[labels], cluster_ids[~labels]
+    resampled = []
+    for draw in draws:
+        times = np.bincount(draw, minlength=n_clusters).astype(float)  # draws of each cluster
+        resampled.append(_weighted_auc(pos, neg, times[pos_cluster], times[neg_cluster]))
+    return point, np.asarray(resampled)
+
+
+def _interval(resampled: np.ndarray) -> tuple[float, float]:
+    """The 95% percentile interval of the finite resamples (NaN when none is)."""
+    finite = resampled[np.isfinite(resampled)]
+    if not len(finite):
+        return float("nan"), float("nan")
+    tail = (1 - CONFIDENCE) / 2 * 100
+    lo, hi = np.percentile(finite, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
 def bootstrap_auc(
     scores: Sequence[float] | np.ndarray,
     labels: Sequence[bool] | np.ndarray,
@@ -84,26 +119,21 @@ def bootstrap_auc(
     or without a negative have no AUC and are left out of the percentiles (``np.percentile``'s
     linear interpolation); the interval is NaN when none is left.
     """
-    scores, labels = _scores(scores), np.asarray(labels, bool).reshape(-1)
-    if not len(scores) == len(labels) == len(clusters):
-        raise ValueError(f"{len(scores)} scores, {len(labels)} labels and {len(clusters)} clusters")
-    if n_boot < 1:
-        raise ValueError(f"n_boot must be at least 1, got {n_boot}")
-    cluster_ids = _codes(clusters)
-    n_clusters = int(cluster_ids.max()) + 1 if len(cluster_ids) else 0
-    pos, neg = scores[labels], scores[~labels]
-    point = auc(pos, neg)
-    if n_clusters == 0:
-        return point, float("nan"), float("nan")
-    draws = np.random.default_rng(seed).integers(n_clusters, size=(n_boot, n_clusters))
-    pos_cluster, neg_cluster = cluster_ids[labels], cluster_ids[~labels]
-    resampled = []
-    for draw in draws:
-        times = np.bincount(draw, minlength=n_clusters).astype(float)  # draws of each cluster
-        resampled.append(_weighted_auc(pos, neg, times[pos_cluster], times[neg_cluster]))
-    finite = np.asarray(resampled)[np.isfinite(resampled)]
-    if not len(finite):
-        return point, float("nan"), float("nan")
-    tail = (1 - CONFIDENCE) / 2 * 100
-    lo, hi = np.percentile(finite, [tail, 100 - tail])
-    return point, float(lo), float(hi)
+    point, resampled = _resampled_aucs(_scores(scores), np.asarray(labels, bool).reshape(-1), clusters, n_boot, seed)
+    return (point, *_interval(resampled))
+
+
+def bootstrap_auc_difference(
+    first: Sequence[float] | np.ndarray,
+    second: Sequence[float] | np.ndarray,
+    labels: Sequence[bool] | np.ndarray,
+    clusters: Sequence[Hashable],
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """(AUC(first) - AUC(second), lower, upper): two scores of the same items, the interval from
+    the same cluster resamples for both (``bootstrap_auc``'s), so what the items share cancels."""
+    labels = np.asarray(labels, bool).reshape(-1)
+    a, resampled_a = _resampled_aucs(_scores(first), labels, clusters, n_boot, seed)
+    b, resampled_b = _resampled_aucs(_scores(second), labels, clusters, n_boot, seed)
+    return (a - b, *_interval(resampled_a - resampled_b))

@@ -1,6 +1,8 @@
 """The credit probe's pieces: rows of branches sharing a prefix (by hand, and scored against plain
 forwards and against the training loss's own packed batch), token classes, and the summary."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -105,3 +107,29 @@ def test_summary_by_hand():
     assert (row["top1_without"], row["top1_with"]) == (0.0, 1.0)
     # Gaps 0.8 (expert), -0.1, -0.5: the expert's gap is above both others.
     assert row["within_state_auc"] == 1.0
+
+
+def test_a_source_paired_with_a_reference_on_the_steps_both_scored():
+    """Source "b" gives g1's steps no rubric: the pairing with "a" keeps g2 and g3's four steps."""
+    gaps = {  # step means of a, b (None: no rubric); expert first in each game
+        ("g1", True): (0.9, None),
+        ("g1", False): (-0.9, None),
+        ("g2", True): (0.1, 0.4),
+        ("g2", False): (0.3, 0.2),
+        ("g3", True): (0.2, 0.5),
+        ("g3", False): (0.0, 0.1),
+    }
+    steps = [
+        dataclasses.replace(
+            _step(game, expert, [a] * 4),
+            gaps={"a": np.full(4, a)} | ({} if b is None else {"b": np.full(4, b)}),
+        )
+        for (game, expert), (a, b) in gaps.items()
+    ]
+    rows = summarise(steps, [], ["a", "b"], coef=0.5, clip=1.0, n_boot=50, paired={"b": "a"})
+    assert "paired_with" not in rows[0]
+    b = rows[1]
+    assert (b["paired_with"], b["paired_steps"]) == ("a", 4.0)
+    # On g2 and g3: a ranks experts {0.1, 0.2} against {0.3, 0.0}: 2 of 4 pairs; b {0.4, 0.5} against {0.2, 0.1}: all.
+    assert (b["paired_auc"], b["paired_auc_reference"], b["paired_auc_diff"]) == (1.0, 0.5, 0.5)
+    assert b["paired_auc_diff_lo"] <= 0.5 <= b["paired_auc_diff_hi"]

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import mannwhitneyu
 
-from orsd_jax.probe_stats import auc, bootstrap_auc, within_state_auc
+from orsd_jax.probe_stats import auc, bootstrap_auc, bootstrap_auc_difference, within_state_auc
 
 # Small integers: many ties.
 SCORES = st.lists(st.integers(-3, 3).map(float), min_size=1, max_size=30)
@@ -69,6 +69,38 @@ def test_bootstrap_resamples_whole_clusters_by_hand():
             by_hand.append(np.mean([(p > n) + 0.5 * (p == n) for p in pos for n in neg]))
     assert point == pytest.approx(auc([0.9, 0.4, 0.3], [0.2, 0.4, 0.1]))
     assert (lo, hi) == pytest.approx(tuple(np.percentile(by_hand, [2.5, 97.5])))
+
+
+def test_paired_difference_resamples_both_scores_with_the_same_games_by_hand():
+    """Two scores of the same items: each resample's difference is redone here by concatenating
+    the drawn games' items, both AUCs from the same draw."""
+    games = {
+        "g1": ([0.9, 0.2], [0.1, 0.3], [True, False]),
+        "g2": ([0.4, 0.4, 0.1], [0.5, 0.2, 0.6], [True, False, False]),
+        "g3": ([0.3, 0.8], [0.7, 0.0], [True, False]),
+    }
+    first, second, labels = ([x for g in games.values() for x in g[k]] for k in range(3))
+    clusters = [name for name, g in games.items() for _ in g[0]]
+    diff, lo, hi = bootstrap_auc_difference(first, second, labels, clusters, n_boot=9, seed=2)
+
+    def hand_auc(items):
+        pos, neg = [s for s, lab in items if lab], [s for s, lab in items if not lab]
+        return np.mean([(p > n) + 0.5 * (p == n) for p in pos for n in neg]) if pos and neg else None
+
+    by_hand = []
+    for draw in np.random.default_rng(2).integers(3, size=(9, 3)):
+        picked = [games[f"g{c + 1}"] for c in draw]
+        a = hand_auc([i for g in picked for i in zip(g[0], g[2])])
+        b = hand_auc([i for g in picked for i in zip(g[1], g[2])])
+        if a is not None:
+            by_hand.append(a - b)
+    pos = np.array(labels)
+    assert diff == pytest.approx(
+        auc(np.array(first)[pos], np.array(first)[~pos]) - auc(np.array(second)[pos], np.array(second)[~pos])
+    )
+    assert (lo, hi) == pytest.approx(tuple(np.percentile(by_hand, [2.5, 97.5])))
+    # The same scores twice differ by exactly nothing, in every resample.
+    assert bootstrap_auc_difference(first, first, labels, clusters, n_boot=20) == (0.0, 0.0, 0.0)
 
 
 def _games(n_games: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
