@@ -191,7 +191,9 @@ def discover(out: pathlib.Path) -> StudyPlan:
         raise ValueError(f"the runs in {out / 'runs'} differ in (env, preset, updates): {sorted(protocols)}")
     [(env, preset, updates)] = protocols
     methods = tuple(m for m in METHODS if m in {c["method"] for c in configs})
-    return StudyPlan(env, preset, methods, tuple(sorted({c["seed"] for c in configs})), updates, out)
+    initial = [json.loads(p.read_text())["seed"] for p in (out / "initial").glob("*/config.json")]
+    seeds = tuple(sorted({c["seed"] for c in configs} | set(initial)))  # the initial policy's evaluations too
+    return StudyPlan(env, preset, methods, seeds, updates, out)
 
 
 # Statistics.

@@ -217,6 +217,13 @@ def test_the_initial_policy_is_a_row_and_a_baseline(fabricated):
     assert "| initial-seed" not in md  # no training budget: 0 updates
 
 
+def test_the_study_found_in_a_directory_has_the_initial_policys_seeds_too(fabricated):
+    run = fabricated.out / "initial" / "seed3"  # evaluated before any trained run of seed 3 finished
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(to_json(dataclasses.replace(preset("tiny"), method="grpo", seed=3, updates=0)))
+    assert study.discover(fabricated.out) == dataclasses.replace(fabricated, seeds=(0, 1, 2, 3))
+
+
 def test_report_names_runs_without_a_final_evaluation(fabricated):
     unfinished = fabricated.runs()[0].directory / "metrics.jsonl"
     unfinished.write_text("".join(line + "\n" for line in unfinished.read_text().splitlines()[:-1]))
