@@ -153,9 +153,9 @@ def staged_rubrics(tools: RubricTools, policy, groups, per_update: int):
     c = tools.config
     memory = RubricMemory(size=c.rubric.memory_size)
     chosen, counts = [], {}
+    aligned = policy if c.rubric.selection == "gap-alignment" else None
     for update, start in enumerate(range(0, len(groups), per_update)):
         metrics: dict[str, float] = {}
-        aligned = policy if c.rubric.selection == "gap-alignment" else None
         rubrics, memory = rubric_stage(tools, aligned, groups[start : start + per_update], update, metrics, memory)
         chosen += rubrics
         for key in ("rubric/memory/offered", "rubric/memory/wins"):
@@ -399,23 +399,23 @@ def main(argv: list[str] | None = None) -> None:
         "episodes": sum(len(g.trajectories) for g in groups),
         "won": sum(t.won for g in groups for t in g.trajectories),
     }
-    scored = {"steps": steps, "states": probed, "stage": stage, "timings": timings, "counts": counts}
+    scored = {"steps": steps, "states": probed, "stage": stage, "timings": timings}
     with open(out / "scored.pkl", "wb") as f:  # the scores, to summarise again without replaying
         pickle.dump(scored, f)
     settings = vars(args) | {"policy": pathlib.Path(policy).name, "coef": demo.loss.coef, "clip": demo.loss.clip}
-    _report(out, settings, scored)
+    _report(out, settings, scored, counts)
 
 
-def _report(out: pathlib.Path, settings: dict, scored: dict) -> None:
-    """The probe's records in ``out`` from its scores (``scored.pkl``'s) and settings."""
+def _report(out: pathlib.Path, settings: dict, scored: dict, counts: dict) -> None:
+    """The probe's records in ``out`` from its scores (``scored.pkl``'s), settings and the played
+    games, episodes and wins (``counts``)."""
     from orsd_jax.probe import summarise
 
     sources = tuple(s for s in settings["sources"].split(",") if s)
     paired = {s: "policy" for s in POLICY_SOURCES if s != "policy" and s in sources and "policy" in sources}
-    steps, states = scored["steps"], scored["states"]
     options = dict(coef=settings["coef"], clip=settings["clip"], seed=settings["seed"])
-    summary = summarise(steps, states, sources, paired=paired, **options)
-    _write(out, settings, steps, states, sources, summary, scored)
+    summary = summarise(scored["steps"], scored["states"], sources, paired=paired, **options)
+    _write(out, settings, sources, summary, scored, counts)
     print((out / "probe.md").read_text())
 
 
@@ -424,8 +424,7 @@ def summarise_again(out: pathlib.Path) -> None:
     with open(out / "scored.pkl", "rb") as f:
         scored = pickle.load(f)
     info = json.loads((out / "probe.json").read_text())
-    scored.setdefault("counts", {k: info[k] for k in ("games", "episodes", "won")})  # written before the counts were
-    _report(out, info["settings"], scored)
+    _report(out, info["settings"], scored, {k: info[k] for k in ("games", "episodes", "won")})
 
 
 def game_names(keys) -> dict[str, str]:
@@ -439,9 +438,10 @@ def game_names(keys) -> dict[str, str]:
     return {k: str(pathlib.Path(k).relative_to(root)) for k in keys}
 
 
-def _write(out, settings, steps, states, sources, summary, scored):
+def _write(out, settings, sources, summary, scored, counts):
     from orsd_jax.probe import ACTION, FORMAT, summarise
 
+    steps, states = scored["steps"], scored["states"]
     names = game_names([s.game for s in steps] + [st.game for st in states])
 
     with open(out / "probe.csv", "w", newline="") as f:
@@ -508,7 +508,7 @@ def _write(out, settings, steps, states, sources, summary, scored):
         "by_type": by_type,
         "rubric_stage": scored["stage"],
         "timings_s": scored["timings"],
-        **scored["counts"],
+        **counts,
     }
     (out / "probe.json").write_text(json.dumps(info, indent=2, default=float))
     (out / "probe.md").write_text(_markdown(summary, by_type, info))
