@@ -127,20 +127,25 @@ def rubric_stage(
         metrics |= rubric_memory.memory_metrics(memory, remembered, groups, rubrics, offered, update + 1)
         memory = remembered
     metrics["rubric/update_without_rubric"] = float(not metrics["rubric/groups_with_rubric"])
-    if not metrics["rubric/groups_with_rubric"]:
-        reasons = ", ".join(
-            f"{k.removeprefix('rubric/no_rubric/')} {v:.0f}"
-            for k, v in metrics.items()
-            if k.startswith("rubric/no_rubric/")
-        )
-        message = f"update {update + 1}: no group got a rubric ({reasons}); this update trains as plain GRPO"
-        if c.strict:
-            raise RuntimeError(message + " (--strict)")
-        log.warning(message)
     for field in dataclasses.fields(verifier.stats):
         change = getattr(verifier.stats, field.name) - getattr(before, field.name)
         metrics[f"verifier/{field.name}"] = float(change)
     return rubrics, memory
+
+
+def warn_plain_grpo(metrics: dict[str, float], update: int, strict: bool) -> None:
+    """An ORSD update that trains without any rubric: a warning with the stage's reasons (metrics
+    ``rubric/no_rubric/*``), or with ``strict`` an error. The training loop's, not the stage's: the
+    credit probe runs the stage without training."""
+    reasons = ", ".join(
+        f"{k.removeprefix('rubric/no_rubric/')} {v:.0f}"
+        for k, v in metrics.items()
+        if k.startswith("rubric/no_rubric/")
+    )
+    message = f"update {update + 1}: no group got a rubric ({reasons}); this update trains as plain GRPO"
+    if strict:
+        raise RuntimeError(message + " (--strict)")
+    log.warning(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +187,8 @@ def play(
     rubrics = None
     if c.uses_rubrics:
         rubrics, memory = rubric_stage(services, policy, groups, update, metrics, memory)
+        if not metrics["rubric/groups_with_rubric"]:
+            warn_plain_grpo(metrics, update, strict=c.strict)
     advantages = step_advantages(groups, c.method, c.advantage)
     samples, index = step_samples(groups, advantages, rubrics, services.fmt, services.tokenizer)
     rubric_tuple = None if rubrics is None else tuple(rubrics)
