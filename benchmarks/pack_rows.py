@@ -70,6 +70,8 @@ def main() -> None:
     step = make_train_step(OrsdLoss(base.loss), optimizer, graphdef, sharding)
     order = [np.random.RandomState(1).permutation(len(samples))]
     configs = {
+        # The layout before the two-stream replay and packed rows (931436c's default), for comparison.
+        "packed layout": dataclasses.replace(base, replay="packed", pack_rows=False),
         "one per row": dataclasses.replace(base, pack_rows=False),
         "packed rows": dataclasses.replace(base, pack_rows=True, row_tokens=0),
         f"packed, >= {args.row_tokens}": dataclasses.replace(base, pack_rows=True, row_tokens=args.row_tokens),

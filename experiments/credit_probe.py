@@ -33,9 +33,19 @@ import os
 import pathlib
 import pickle
 import time
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Sequence
 
 import numpy as np
+
+if typing.TYPE_CHECKING:  # the probe's imports are lazy: its --help and --summarise-only load no model
+    from orsd_jax.chat import ChatFormat
+    from orsd_jax.config import TrainConfig
+    from orsd_jax.models import CausalLM
+    from orsd_jax.rollout import Group
+    from orsd_jax.rubrics import GroupRubric, Verifier
+    from orsd_jax.rubrics.memory import RubricMemory
+    from orsd_jax.sampling import Sampler
 
 # A policy source -> the method whose rubric stage writes it.
 POLICY_SOURCES = {
@@ -133,15 +143,17 @@ class RubricTools:
     """The rubric stage's services (``trainer.RubricServices``) for the probe: its played policy as
     writer and verifier."""
 
-    config: object  # TrainConfig, resolved
-    sampler: object | None
-    verifier: object
-    tokenizer: object
-    fmt: object
+    config: TrainConfig  # resolved
+    sampler: Sampler | None
+    verifier: Verifier
+    tokenizer: typing.Any
+    fmt: ChatFormat
     rubric_source: dict
 
 
-def staged_rubrics(tools: RubricTools, policy, groups, per_update: int):
+def staged_rubrics(
+    tools: RubricTools, policy: CausalLM | None, groups: Sequence[Group], per_update: int
+) -> tuple[list[GroupRubric], RubricMemory, dict[str, float]]:
     """The trainer's rubric stage over ``groups``, ``per_update`` of them at a time as successive
     updates with the rubric memory carried between them: each group's ``GroupRubric``, the memory
     after the last, and the stage's metrics over all groups (memory offers and wins summed).
@@ -152,7 +164,8 @@ def staged_rubrics(tools: RubricTools, policy, groups, per_update: int):
 
     c = tools.config
     memory = RubricMemory(size=c.rubric.memory_size)
-    chosen, counts = [], {}
+    chosen: list[GroupRubric] = []
+    counts: dict[str, float] = {}
     aligned = policy if c.rubric.selection == "gap-alignment" else None
     for update, start in enumerate(range(0, len(groups), per_update)):
         metrics: dict[str, float] = {}
