@@ -1,13 +1,14 @@
 """One update's training stage with rows of one sample and rows of several (``TrainConfig.pack_rows``).
 
-Usage: python -m benchmarks.pack_rows [--samples 117] [--method grpo|orsd] [--reps 3] [--row-tokens 1024]
+Usage: python -m benchmarks.pack_rows [--samples 117] [--method grpo|orsd] [--reps 3] [--row-tokens 512,1024]
 
 The cpu-demo preset's training stage (embedded model, 26 of 30 layers frozen, minibatches of 16
 step samples, the two-stream replay) over step samples shaped like an ALFWorld update's: prompts
 whose history grows from step to step (``--prompt-min`` to ``--prompt-max`` user-text tokens,
 uniform), responses of 16-48 tokens, and with ``--method orsd`` a rubric of 100-160 tokens on
-every sample. Rows of several samples are as long as the longest sample, or at least
-``--row-tokens`` (``TrainConfig.row_tokens``). Each configuration runs one warm-up update (its compilations, reported apart) and
+every sample. Rows of several samples are as long as the longest sample, or at least each of
+``--row-tokens`` (``TrainConfig.row_tokens``); "packed layout" is one sample per row in the packed
+tree-mask layout. Each configuration runs one warm-up update (its compilations, reported apart) and
 then ``--reps`` timed updates, interleaved; the table gives medians, the padded slots the forwards
 computed and the fill (tokens / slots).
 """
@@ -59,7 +60,9 @@ def main() -> None:
     parser.add_argument("--prompt-min", type=int, default=150)
     parser.add_argument("--prompt-max", type=int, default=600)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--row-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--row-tokens", type=lambda text: [int(n) for n in text.split(",")], default=[512, 1024], help="comma list"
+    )
     args = parser.parse_args()
 
     base = dataclasses.replace(preset("cpu-demo"), method=args.method).resolved()
@@ -70,11 +73,11 @@ def main() -> None:
     step = make_train_step(OrsdLoss(base.loss), optimizer, graphdef, sharding)
     order = [np.random.RandomState(1).permutation(len(samples))]
     configs = {
-        # The layout before the two-stream replay and packed rows (931436c's default), for comparison.
+        # The default before the two-stream replay and packed rows (931436c's).
         "packed layout": dataclasses.replace(base, replay="packed", pack_rows=False),
         "one per row": dataclasses.replace(base, pack_rows=False),
         "packed rows": dataclasses.replace(base, pack_rows=True, row_tokens=0),
-        f"packed, >= {args.row_tokens}": dataclasses.replace(base, pack_rows=True, row_tokens=args.row_tokens),
+        **{f"packed, >= {n}": dataclasses.replace(base, pack_rows=True, row_tokens=n) for n in args.row_tokens},
     }
     runs = {name: {"times": []} for name in configs}
     for _ in range(1 + args.reps):

@@ -199,7 +199,7 @@ def execute(plan: study.StudyPlan, run: study.RunSpec, config: TrainConfig, proc
     if state != "new":  # a run of another protocol must not be continued, or reported, as this one
         # Read as --resume reads it: fields added to TrainConfig since the run started are at their defaults.
         saved = json.loads(to_json(from_json((run.directory / "config.json").read_text())))
-        differences = study.config_differences(saved, json.loads(to_json(config)))
+        differences = study.protocol_differences(saved, json.loads(to_json(config)))
         if differences:
             note = f"its config.json differs in {', '.join(differences)}: choose another --out"
             return Outcome(run, "refused", 1, 0.0, note)

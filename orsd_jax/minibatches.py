@@ -25,7 +25,7 @@ class MinibatchSpec:
     rows: int  # step samples per optimizer step
     layout: str = "two-stream"  # the replay's batch layout (batch.LAYOUTS)
     pack: bool = True  # rows of several samples, as many as they fill
-    row_tokens: int = 1024  # packed rows at least this long
+    row_tokens: int = 0  # packed rows at least this long (0: the longest sample)
     row_multiple: int = 1  # packed rows come in multiples of devices x micro-batches
     micro_batches: int = 1
 

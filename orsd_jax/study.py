@@ -181,6 +181,17 @@ def config_differences(saved: Mapping, planned: Mapping, prefix: str = "") -> tu
     return tuple(out)
 
 
+# TrainConfig fields that change how a run computes its updates, not what: the replay's layouts and
+# rows of several samples give the same losses and gradients (tests/test_loss.py,
+# tests/test_train_step.py). A run resumed, or a grid continued, under other values keeps its protocol.
+EXECUTION_FIELDS = ("replay", "pack_rows", "row_tokens")
+
+
+def protocol_differences(saved: Mapping, planned: Mapping) -> tuple[str, ...]:
+    """``config_differences`` less ``EXECUTION_FIELDS``: what makes two runs different experiments."""
+    return tuple(name for name in config_differences(saved, planned) if name not in EXECUTION_FIELDS)
+
+
 def discover(out: pathlib.Path) -> StudyPlan:
     """The plan of the runs already in ``out/runs`` (their config.json), for regenerating the report."""
     configs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/config.json"))]

@@ -296,6 +296,9 @@ def test_the_grid_skips_finished_runs_and_refuses_another_protocols(fabricated):
     del older["env"]["goals"]
     (run.directory / "config.json").write_text(json.dumps(older))
     assert cli.execute(plan, run, config, cli.Processes()) == cli.Outcome(run, "skipped", 0, 0.0)
+    # Rows packed otherwise (the same loss): the same protocol, still finished.
+    repacked = dataclasses.replace(config, pack_rows=not config.pack_rows, row_tokens=config.row_tokens + 512)
+    assert cli.execute(plan, run, repacked, cli.Processes()) == cli.Outcome(run, "skipped", 0, 0.0)
     other = cli.run_config(dataclasses.replace(plan, overrides=("--lr", "0.5")), run)
     outcome = cli.execute(plan, run, other, cli.Processes())
     assert (outcome.action, outcome.returncode) == ("refused", 1) and "optimizer.learning_rate" in outcome.note
@@ -367,7 +370,7 @@ def test_the_cpu_study_preset_is_the_calibration_that_learned():
     recorded = (REPO / "docs/results/study/calibration/grpo-pool8-2x8-lr2e-4/config.json").read_text()
     saved = json.loads(to_json(from_json(recorded)))  # fields added since then at their defaults
     planned = json.loads(to_json(dataclasses.replace(preset("cpu-study"), method="grpo")))
-    assert study.config_differences(saved, planned) == (
+    assert study.protocol_differences(saved, planned) == (
         "credit_every",
         "env.eval_games",
         "eval_games",
