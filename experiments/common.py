@@ -10,6 +10,7 @@ import os
 import pathlib
 import signal
 import sys
+import threading
 
 from orsd_jax.batch import LAYOUTS
 from orsd_jax.config import METHODS, PRESETS, TrainConfig, VerifierSetup, preset
@@ -343,6 +344,24 @@ def _stop_on(signum: int, frame) -> None:
     raise Stopped(signum)
 
 
+def _stop_again(unraisable) -> None:
+    """``sys.unraisablehook``: a ``Stopped`` raised where Python can only print it is lost, and the
+    run would go on training. A signal handled while a garbage-collection callback runs (JAX's
+    ``_xla_gc_callback``: a study's SIGTERM to a run, seen in the grid's logs) raises there, so the
+    same signal is sent again a moment later, when the callback has returned."""
+    if isinstance(unraisable.exc_value, Stopped):
+        threading.Timer(0.05, os.kill, (os.getpid(), unraisable.exc_value.signum)).start()
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise ``Stopped`` in the main thread, wherever it is."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stop_on)
+    sys.unraisablehook = _stop_again
+
+
 def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     args = parser(env, doc).parse_args(argv)  # before any game loads: the planner overwrites sys.argv
     console_logging()
@@ -367,8 +386,7 @@ def main(env: str, doc: str, argv: list[str] | None = None) -> None:
     out = pathlib.Path(args.out or f"runs/{config.preset}-{env}-{config.method}")
     from orsd_jax.checkpoints import StorageError
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _stop_on)
+    stop_on_signals()
     try:
         policy = train(config, out, resume=args.resume, stop_after=args.stop_after, sampler_urls=args.sampler_urls)
     except StorageError as error:  # nothing to debug: the disk is full
