@@ -30,12 +30,11 @@ def evaluate_policy(
 
     max_len = rollout.max_prompt_tokens + rollout.max_response_tokens
     if sampler_kind == "vllm":  # the server loads the weights; this process needs the tokenizer only
-        from transformers import AutoTokenizer
-
+        from orsd_jax.models import load_tokenizer
         from orsd_jax.sampling.vllm_sampler import VLLMSampler
         from orsd_jax.sampling.vllm_server import ServerOptions
 
-        tokenizer = AutoTokenizer.from_pretrained(policy)
+        tokenizer = load_tokenizer(policy)
         sampler = VLLMSampler(policy, tokenizer, options=ServerOptions(max_model_len=max_len))
     else:
         from orsd_jax.sampling.jax_sampler import JaxSampler

@@ -192,16 +192,14 @@ def recorded_updates(run_dir: str | os.PathLike) -> list[int]:
 
 def run_tokenizer(run_dir: str | os.PathLike):
     """The tokenizer of a run's policy, also for a run that has not exported one yet."""
-    from transformers import AutoTokenizer
-
-    from orsd_jax.models import resolve
+    from orsd_jax.models import load_tokenizer, resolve
 
     run = pathlib.Path(run_dir)
     for directory in (run / "policy", run / "initial_policy"):
         if (directory / "tokenizer_config.json").is_file():
-            return AutoTokenizer.from_pretrained(directory)
+            return load_tokenizer(directory)
     model = json.loads((run / "config.json").read_text())["model"]  # config.to_json's record
-    return AutoTokenizer.from_pretrained(resolve(model["warmstart"]["model"] if model["warmstart"] else model["name"]))
+    return load_tokenizer(resolve(model["warmstart"]["model"] if model["warmstart"] else model["name"]))
 
 
 def load_credit(run_dir: str | os.PathLike, update: int | None = None, tokenizer=None) -> CreditRecord:

@@ -60,15 +60,13 @@ class MetricsLog:
         _write_all(self._tb, _event(file_version="brain.Event:2"), "the TensorBoard log", self._tb_dir)
 
     def write(self, update: int, metrics: dict[str, float], final: bool = False) -> None:
-        from tensorboardX.summary import scalar
-
         record = {"update": update, **({"final": True} if final else {}), **metrics}
         line = json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()})
         what = f"the {'final ' if final else ''}metrics of update {update}"
         _write_all(self._file, (line + "\n").encode(), what, self.path)
         prefix = "final/" if final else ""
         events = [
-            _event(step=update, summary=scalar(prefix + key, value))
+            _event(step=update, summary=_scalar(prefix + key, value))
             for key, value in metrics.items()
             if isinstance(value, (int, float)) and not math.isnan(value)
         ]
@@ -79,14 +77,56 @@ class MetricsLog:
         self._tb.close()
 
 
-def _event(**fields) -> bytes:
-    """A TensorBoard ``Event`` of ``fields``, framed as a record of its event files (TFRecord)."""
-    from tensorboardX.proto.event_pb2 import Event
-    from tensorboardX.record_writer import masked_crc32c
+# TensorBoard's records are written by hand: tensorboardX's package imports torch (2 s at every
+# start of a run) for the four protobuf fields below. Read back with tensorboardX's own Event and
+# crc, and against its SummaryWriter, in tests/faults/test_storage_faults.py.
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        n, low = n >> 7, n & 0x7F
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
 
-    data = Event(wall_time=time.time(), **fields).SerializeToString()
-    header = struct.pack("Q", len(data))
-    return header + struct.pack("I", masked_crc32c(header)) + data + struct.pack("I", masked_crc32c(data))
+
+def _field(number: int, wire_type: int, payload: bytes) -> bytes:
+    """A protobuf field: wire type 0 varint, 1 eight bytes, 2 length-delimited, 5 four bytes."""
+    return _varint(number << 3 | wire_type) + (_varint(len(payload)) + payload if wire_type == 2 else payload)
+
+
+def _scalar(tag: str, value: float) -> bytes:
+    """A ``Summary`` of one ``Value``: tag (1), simple_value (2, a float)."""
+    return _field(1, 2, _field(1, 2, tag.encode()) + _field(2, 5, struct.pack("<f", value)))
+
+
+def _event(step: int = 0, summary: bytes = b"", file_version: str = "") -> bytes:
+    """An ``Event`` (wall_time 1, step 2, file_version 3, summary 5), framed as a record of the
+    event files (TFRecord: length, its masked crc32c, data, the data's masked crc32c)."""
+    data = _field(1, 1, struct.pack("<d", time.time())) + (_field(2, 0, _varint(step)) if step else b"")
+    data += (_field(3, 2, file_version.encode()) if file_version else b"") + (_field(5, 2, summary) if summary else b"")
+    header = struct.pack("<Q", len(data))
+    return header + struct.pack("<I", _masked_crc32c(header)) + data + struct.pack("<I", _masked_crc32c(data))
+
+
+def _crc32c_table() -> tuple[int, ...]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)  # Castagnoli's polynomial, reflected
+        table.append(crc)
+    return tuple(table)
+
+
+_CRC32C = _crc32c_table()
+
+
+def _masked_crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def _write_all(file: io.FileIO, data: bytes, what: str, where: pathlib.Path) -> None:

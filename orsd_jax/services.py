@@ -21,7 +21,7 @@ from orsd_jax.config import TrainConfig
 from orsd_jax.envs.base import Task, TextEnv
 from orsd_jax.envs.pool import EnvPool
 from orsd_jax.loss import OrsdLoss, response_logprobs
-from orsd_jax.models import CausalLM, ModelConfig, cache_dir, load_model, resolve, save_hf
+from orsd_jax.models import CausalLM, ModelConfig, cache_dir, load_model, load_tokenizer, resolve, save_hf
 from orsd_jax.rollout import PromptBuilder
 from orsd_jax.rubrics import sources as rubric_sources
 from orsd_jax.train_step import DATA, TrainState, init_train_state, make_mesh, make_optimizer, make_train_step
@@ -88,9 +88,7 @@ def initial_policy(config: TrainConfig, out: pathlib.Path) -> tuple[CausalLM, ob
         load_model, dtype=m.dtype, compute_dtype=m.compute_dtype, remat=m.remat, frozen_layers=m.frozen_layers
     )
     if m.random_shape is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(resolve(m.name))
+        tokenizer = load_tokenizer(resolve(m.name))
         shape = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, **m.random_shape}
         model = CausalLM(ModelConfig(**shape, param_dtype=m.dtype), nnx.Rngs(config.seed))
         directory = out / "initial_policy"

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from orsd_jax import chat
 from orsd_jax.batch import PAD, SHARED, WITH, WITHOUT, tree_attention_mask
@@ -22,6 +29,8 @@ from orsd_jax.models import (
     UnsupportedModelError,
     load_hf_params,
     load_model,
+    load_tokenizer,
+    resolve,
     save_hf,
 )
 from orsd_jax.models.decoder import attend
@@ -236,6 +245,28 @@ def embedded():
     gguf = embedded_gguf_path()
     reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     return model, tokenizer, reference
+
+
+@pytest.mark.parametrize("saved_as", [None, "Qwen2Tokenizer", "LlamaTokenizer", "no class"])
+def test_load_tokenizer_is_autotokenizers_choice(saved_as, tmp_path):
+    """The class ``tokenizer_config.json`` names (the embedded one's, Qwen's, Llama's), or none."""
+    import transformers
+
+    directory = resolve(EMBEDDED)
+    if saved_as is not None:
+        cls = getattr(transformers, saved_as, transformers.AutoTokenizer)
+        cls.from_pretrained(directory).save_pretrained(tmp_path)
+        directory = tmp_path
+    if saved_as == "no class":
+        config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+        del config["tokenizer_class"]
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, auto = load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
+    assert type(ours) is type(auto) and (saved_as in (None, "no class") or type(ours).__name__ == saved_as)
+    text = "Go to cabinet 1,  then\n\nclick[x-large] <|im_end|>"
+    assert ours(text)["input_ids"] == auto(text)["input_ids"] and len(ours) == len(auto)
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(messages, tokenize=False)
 
 
 def test_embedded_config(embedded):

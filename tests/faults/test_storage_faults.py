@@ -192,14 +192,20 @@ def test_tensorboard_events_are_those_tensorboardx_writes(tmp_path):
 
     (tmp_path / "ours").mkdir()
     log = MetricsLog(tmp_path / "ours")
-    log.write(1, {"loss": 0.5, "env/success": 0.25, "rubric/correlation": float("nan")})
-    log.write(2, {"loss": 0.125}, final=True)
+    log.write(1, {"loss": 0.5, "env/success": 0.25, "rubric/correlation": float("nan"), "note": "not a scalar"})
+    log.write(300, {"loss": -1.5e-3, "budget/env_steps": 123457}, final=True)  # steps and ints of several bytes
     log.close()
     writer = SummaryWriter(str(tmp_path / "theirs"))
-    for tag, value, step in [("loss", 0.5, 1), ("env/success", 0.25, 1), ("final/loss", 0.125, 2)]:
+    expected = [
+        (1, "loss", 0.5),
+        (1, "env/success", 0.25),
+        (300, "final/loss", -1.5e-3),
+        (300, "final/budget/env_steps", 123457),
+    ]
+    for step, tag, value in expected:
         writer.add_scalar(tag, value, step)
     writer.close()
-    expected = [(1, "loss", 0.5), (1, "env/success", 0.25), (2, "final/loss", 0.125)]
+    expected = [(step, tag, float(np.float32(value))) for step, tag, value in expected]
     assert _scalars(tmp_path / "ours" / "tb") == _scalars(tmp_path / "theirs") == expected
 
 
