@@ -81,6 +81,7 @@ class MetricsLog:
 # start of a run) for the four protobuf fields below. Read back with tensorboardX's own Event and
 # crc, and against its SummaryWriter, in tests/faults/test_storage_faults.py.
 def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # an int64 below 0 as its two's complement, as protobuf writes it
     out = bytearray()
     while True:
         n, low = n >> 7, n & 0x7F
