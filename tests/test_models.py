@@ -2,6 +2,9 @@
 
 import dataclasses
 import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +39,7 @@ from orsd_jax.models import (
 from orsd_jax.models.decoder import attend
 from orsd_jax.models.registry import embedded_gguf_path
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=3)
 CASES = {
     # GQA, untied head, head_dim (24) != hidden / heads (16)
@@ -267,6 +271,21 @@ def test_load_tokenizer_is_autotokenizers_choice(saved_as, tmp_path):
     assert ours(text)["input_ids"] == auto(text)["input_ids"] and len(ours) == len(auto)
     messages = [{"role": "user", "content": "hi"}]
     assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(messages, tokenize=False)
+
+
+def test_a_runs_process_does_not_import_torch(tmp_path):
+    """The trainer's modules, a tokenizer and a metrics line load no torch (2 s at each start;
+    only the vLLM server, its own process, needs it)."""
+    script = (
+        "import sys, experiments.train_alfworld, orsd_jax.services, orsd_jax.trainer\n"
+        "from orsd_jax.models import EMBEDDED, load_tokenizer, resolve\n"
+        "from orsd_jax.metrics_log import MetricsLog\n"
+        "load_tokenizer(resolve(EMBEDDED))\n"
+        f"MetricsLog({str(tmp_path)!r}).write(1, {{'loss': 0.5}})\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[-2000:]
 
 
 def test_embedded_config(embedded):
