@@ -161,3 +161,38 @@ def test_a_signal_while_the_workers_start_stops_them_without_a_traceback():
     for pid in workers:
         with contextlib.suppress(psutil.NoSuchProcess):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+_ENTRY = """
+import pathlib, sys
+sys.path.insert(0, {tests!r})
+with open({marker!r}, "a") as f:  # one line per import of this module, by its name there
+    print(__name__, file=f)
+from orsd_jax.envs import EnvPool, Task
+from test_env_pool import PidEnv
+
+class MainEnv(PidEnv):
+    pass
+
+if __name__ == "__main__":
+    with EnvPool({factory}, 2, n_workers=2) as pool:
+        print(len(pool.reset([Task("test", "0", "none", "nothing")] * 2)))
+"""
+
+
+@pytest.mark.parametrize("how", ["-m", "path"])
+@pytest.mark.parametrize("factory", ["PidEnv", "MainEnv"])
+def test_workers_import_the_entry_module_only_for_a_factory_defined_there(tmp_path, how, factory):
+    """A run's entry module (``python -m experiments.train_alfworld``) imports JAX; spawn would import it
+    again in every worker. It does not, unless the environment's factory is defined there."""
+    import pathlib
+    import subprocess
+    import sys
+
+    tests, marker = pathlib.Path(__file__).parent, tmp_path / "imports.txt"
+    (tmp_path / "entry.py").write_text(_ENTRY.format(tests=str(tests), marker=str(marker), factory=factory))
+    argv = ["-m", "entry"] if how == "-m" else [str(tmp_path / "entry.py")]
+    done = subprocess.run([sys.executable, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["2"], done.stderr[-3000:]
+    expected = ["__main__"] + (["__mp_main__"] * 2 if factory == "MainEnv" else [])
+    assert marker.read_text().split() == expected

@@ -16,6 +16,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -87,6 +88,26 @@ def _stop_signals_deferred() -> Iterator[None]:
             signal.raise_signal(signum)
 
 
+@contextlib.contextmanager
+def main_module_not_reimported() -> Iterator[None]:
+    """Processes spawned inside do not import the parent's ``__main__`` module again. ``spawn``
+    re-imports it (as ``__mp_main__``) so that functions defined there unpickle in the child; our
+    workers run orsd_jax's functions only, while an entry module such as
+    ``experiments.train_alfworld`` imports JAX and Flax: 4.8 s of an ALFWorld worker's 10 s start on
+    a 2-core machine (py-spy of a ``tiny`` run), paid by every worker of every run
+    (``tests/test_env_pool.py`` checks the child does not import it). Only the start reads these
+    attributes; they are restored on leaving."""
+    main = sys.modules["__main__"]
+    saved: dict[str, object] = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__spec__ = None  # with no spec and no file, spawn's preparation names no main module
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 class EnvPool:
     """``n_envs`` copies of one environment spread over ``n_workers`` processes.
 
@@ -115,7 +136,10 @@ class EnvPool:
         self._locks = [threading.Lock() for _ in range(n_workers)]  # one call at a time on a pipe
         atexit.register(self.close)
         try:
-            with _stop_signals_deferred():
+            # A factory defined in the script run as __main__ unpickles only where that script is imported.
+            from_main = getattr(getattr(make_env, "func", make_env), "__module__", None) == "__main__"
+            hidden = contextlib.nullcontext() if from_main else main_module_not_reimported()
+            with _stop_signals_deferred(), hidden:
                 for w in range(n_workers):
                     parent, child = ctx.Pipe()
                     n_local = sum(1 for owner, _ in self._owner if owner == w)

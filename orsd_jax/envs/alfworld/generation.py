@@ -23,6 +23,7 @@ from orsd_jax.envs.alfworld.planning import Planner, process_planner
 from orsd_jax.envs.alfworld.problem import game_data, problem_pddl
 from orsd_jax.envs.alfworld.sampling import sample_game
 from orsd_jax.envs.alfworld.tasks import TASK_TYPES
+from orsd_jax.envs.pool import main_module_not_reimported
 
 SPLITS = ("train", "valid_seen", "valid_unseen")
 GENERATOR_VERSION = 1  # part of cache names: bump when the same seed would give other games
@@ -104,7 +105,9 @@ def _produce(jobs: list[tuple], workers: int) -> Iterator[GeneratedGame]:
     if workers == 1:
         yield from map(_make_game_job, jobs)
     else:  # spawn: the caller may be a JAX process, whose threads fork would copy badly
-        with mp.get_context("spawn").Pool(workers) as pool:
+        with main_module_not_reimported():
+            pool = mp.get_context("spawn").Pool(workers)
+        with pool:
             yield from pool.imap(_make_game_job, jobs, chunksize=4)
 
 
