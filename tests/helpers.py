@@ -1,6 +1,8 @@
 """What several test modules share: a tiny random model, step samples near its own log-probs,
-the loss configuration they run, fast compilation and tree comparisons."""
+the loss configuration they run, fast compilation, tree comparisons, and the model's own log-probs
+of sampled completions (the samplers' oracle)."""
 
+import contextlib
 import functools
 import json
 import pathlib
@@ -134,3 +136,48 @@ def run_metrics(run: pathlib.Path) -> list[dict]:
 def without_timing(record: dict) -> dict:
     """The record less wall-clock figures; NaN (logged as null) compares equal to itself."""
     return {k: float("nan") if v is None else v for k, v in record.items() if not k.startswith(TIMING)}
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Decoding one sequence gains nothing from a second thread, and loses several times over
+    when the cores are busy (a vLLM server or the other test worker beside it): transformers'
+    greedy decoding of 3 x 32 tokens took 20.6 s with torch's threads and 6.2 s with one, beside a
+    study run."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+WIDTH = 128  # reference batches are padded to one shape so each jitted function compiles once
+
+
+@nnx.jit
+def _completion_logprobs(model, ids):
+    return model.token_logprobs(ids[:, :-1], ids[:, 1:])[0]
+
+
+def padded(prompts, completions) -> np.ndarray:
+    """``[N, WIDTH]``: each prompt followed by its completion's tokens, right-padded (a causal model's
+    values at a position do not depend on the padding after it)."""
+    ids = np.zeros((len(prompts), WIDTH), np.int32)
+    for row, prompt, completion in zip(ids, prompts, completions):
+        sequence = list(prompt) + list(completion.token_ids)
+        row[: len(sequence)] = sequence
+    return ids
+
+
+def completion_rows(values: np.ndarray, prompts, completions) -> list[np.ndarray]:
+    """Per completion, the values at the positions that predict its tokens."""
+    return [v[len(p) - 1 : len(p) - 1 + len(c.token_ids)] for v, p, c in zip(values, prompts, completions)]
+
+
+def our_logprobs(model, prompts, completions) -> list[np.ndarray]:
+    """The orsd_jax model's log-probs of the completion tokens (temperature 1), one jitted batch."""
+    logp = np.asarray(_completion_logprobs(model, jnp.asarray(padded(prompts, completions))))
+    return completion_rows(logp, prompts, completions)

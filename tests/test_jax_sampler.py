@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from helpers import CONFIG
+from helpers import CONFIG, one_torch_thread, our_logprobs
 from transformers import AutoModelForCausalLM
 
 from orsd_jax import chat
@@ -20,12 +20,6 @@ PROMPTS = [
     "Explain in detail why the sky is blue.",
     "List ten animals and describe each one.",
 ]
-
-
-def _model_logprobs(model, prompt, completion):
-    ids = list(prompt) + list(completion.token_ids)
-    logp, _ = model.token_logprobs(jnp.asarray([ids[:-1]]), jnp.asarray([ids[1:]]))
-    return np.asarray(logp)[0, len(prompt) - 1 :]
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +38,13 @@ def test_greedy_matches_transformers_generate(embedded):
     # Prompts of different lengths in one right-padded batch, each against transformers' generate of
     # that prompt alone (a second batch, of one, would only compile the same program again).
     outputs = sampler.generate(prompts, params)
-    for prompt, out in zip(prompts, outputs):
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt) :]
+    for prompt, out, ours in zip(prompts, outputs, our_logprobs(model, prompts, outputs)):
+        with one_torch_thread():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt) :]
         assert list(out.token_ids) == expected.tolist()
         assert out.text == tokenizer.decode(expected, skip_special_tokens=True)
         assert out.finish_reason == ("stop" if expected[-1] in fmt.stop_token_ids else "length")
-        np.testing.assert_allclose(out.logprobs, _model_logprobs(model, prompt, out), atol=1e-3)
+        np.testing.assert_allclose(out.logprobs, ours, atol=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +65,8 @@ def test_sampled_logprobs_are_the_models_at_temperature_one(tiny):
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
     outputs = sampler.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=0, n=3))
     assert len(outputs) == 6 and all(len(o.token_ids) == 12 for o in outputs)
-    for i, out in enumerate(outputs):
-        np.testing.assert_allclose(out.logprobs, _model_logprobs(tiny, prompts[i // 3], out), atol=1e-5)
+    for out, ours in zip(outputs, our_logprobs(tiny, [p for p in prompts for _ in range(3)], outputs)):
+        np.testing.assert_allclose(out.logprobs, ours, atol=1e-5)
 
 
 def test_temperature_scales_logprobs(tiny):

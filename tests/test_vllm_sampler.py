@@ -27,6 +27,7 @@ import psutil
 import pytest
 import torch
 from flax import nnx
+from helpers import completion_rows, one_torch_thread, our_logprobs, padded
 from transformers import AutoModelForCausalLM
 
 from orsd_jax import chat
@@ -80,52 +81,13 @@ def prompts(embedded):
     return [chat.prompt_ids(fmt, tokenizer, text) for text in TEXTS], fmt.stop_token_ids
 
 
-@contextlib.contextmanager
-def one_torch_thread():
-    """Decoding one sequence gains nothing from a second thread, and loses several times over
-    when the cores are busy (as they are with the server beside it)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def greedy(stop_token_ids, max_new_tokens=32) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
-
-
-WIDTH = 128  # reference batches are padded to one shape so each jitted function compiles once
-
-
-@nnx.jit
-def _token_logprobs(model, ids):
-    return model.token_logprobs(ids[:, :-1], ids[:, 1:])[0]
 
 
 @nnx.jit
 def _logits(model, ids):
     return model(ids)
-
-
-def padded(prompts, completions) -> np.ndarray:
-    ids = np.zeros((len(prompts), WIDTH), np.int32)
-    for row, prompt, completion in zip(ids, prompts, completions):
-        sequence = list(prompt) + list(completion.token_ids)
-        row[: len(sequence)] = sequence
-    return ids
-
-
-def completion_rows(values: np.ndarray, prompts, completions) -> list[np.ndarray]:
-    """Per completion, the values at the positions that predict its tokens."""
-    return [v[len(p) - 1 : len(p) - 1 + len(c.token_ids)] for v, p, c in zip(values, prompts, completions)]
-
-
-def our_logprobs(model, prompts, completions) -> list[np.ndarray]:
-    """The orsd_jax model's log-probs of the completion tokens (temperature 1)."""
-    logp = np.asarray(_token_logprobs(model, jnp.asarray(padded(prompts, completions))))
-    return completion_rows(logp, prompts, completions)
 
 
 def completions_posted(server: VLLMServer) -> float:
