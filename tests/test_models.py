@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from helpers import one_torch_thread
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -300,12 +301,18 @@ def test_embedded_matches_transformers_gguf_loading(embedded):
     model, tokenizer, reference = embedded
     fmt = chat.chat_format(tokenizer)
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits."]
-    for text in prompts:
-        ids = chat.prompt_ids(fmt, tokenizer, text)
-        np.testing.assert_allclose(np.asarray(model(jnp.asarray([ids]))), _logits(reference, [ids]), atol=1e-3, rtol=0)
+    rows = [chat.prompt_ids(fmt, tokenizer, text) for text in prompts]
+    batch = np.zeros((len(rows), max(map(len, rows))), np.int32)  # right-padded: causal rows ignore the end
+    for row, ids in zip(batch, rows):
+        row[: len(ids)] = ids
+    ours = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(batch)))
+    for logits, ids in zip(ours, rows):
+        with one_torch_thread():
+            np.testing.assert_allclose(logits[: len(ids)], _logits(reference, [ids])[0], atol=1e-3, rtol=0)
     # Greedy continuation of 32 tokens, ours with the KV cache (jitted: prefill, then one token a step).
     ids = chat.prompt_ids(fmt, tokenizer, "Write a short story about a cat who learns to fly.")
-    expected = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
+    with one_torch_thread():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
     graphdef, state = nnx.split(model)
 
     @jax.jit
