@@ -59,12 +59,19 @@ def _token_logprobs(graphdef, params, ids, targets):
     return model.token_logprobs(ids, targets, temperature=LOSS.temperature, with_entropy=True)
 
 
+def right_padded(sequences, width: int) -> np.ndarray:
+    """``[N, width]`` token ids, each sequence followed by zeros (a causal model's values at a
+    position do not depend on the padding after it)."""
+    ids = np.zeros((len(sequences), width), np.int32)
+    for row, sequence in zip(ids, sequences):
+        row[: len(sequence)] = sequence
+    return ids
+
+
 def sequence_logprobs(graphdef, params, sequences, prompt_lengths, width, length=32):
     """Log-probs and entropies ``[N, width]`` of each sequence's tokens after its prompt, each sequence
     run alone through a plain causal forward (end padding to ``length`` cannot affect earlier tokens)."""
-    ids = np.zeros((len(sequences), length), np.int32)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = s
+    ids = right_padded(sequences, length)
     targets = np.concatenate([ids[:, 1:], np.zeros((len(ids), 1), np.int32)], axis=1)
     logp, entropy = _token_logprobs(graphdef, params, jnp.asarray(ids), jnp.asarray(targets))
     rows = np.arange(len(ids))[:, None]
@@ -142,8 +149,8 @@ def without_timing(record: dict) -> dict:
 def one_torch_thread():
     """Decoding one sequence gains nothing from a second thread, and loses several times over
     when the cores are busy (a vLLM server or the other test worker beside it): transformers'
-    greedy decoding of 3 x 32 tokens took 20.6 s with torch's threads and 6.2 s with one, beside a
-    study run."""
+    greedy decoding of 3 x 32 tokens of the embedded model took 20.6 s with torch's threads and 6.2 s
+    with one (at `da38bec`, the 2-core Intel Xeon with a study run beside)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -163,13 +170,8 @@ def _completion_logprobs(model, ids):
 
 
 def padded(prompts, completions) -> np.ndarray:
-    """``[N, WIDTH]``: each prompt followed by its completion's tokens, right-padded (a causal model's
-    values at a position do not depend on the padding after it)."""
-    ids = np.zeros((len(prompts), WIDTH), np.int32)
-    for row, prompt, completion in zip(ids, prompts, completions):
-        sequence = list(prompt) + list(completion.token_ids)
-        row[: len(sequence)] = sequence
-    return ids
+    """``[N, WIDTH]``: each prompt followed by its completion's tokens, right-padded."""
+    return right_padded([list(p) + list(c.token_ids) for p, c in zip(prompts, completions)], WIDTH)
 
 
 def completion_rows(values: np.ndarray, prompts, completions) -> list[np.ndarray]:

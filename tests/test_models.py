@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from helpers import one_torch_thread
+from helpers import one_torch_thread, right_padded
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -302,10 +302,7 @@ def test_embedded_matches_transformers_gguf_loading(embedded):
     fmt = chat.chat_format(tokenizer)
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits."]
     rows = [chat.prompt_ids(fmt, tokenizer, text) for text in prompts]
-    batch = np.zeros((len(rows), max(map(len, rows))), np.int32)  # right-padded: causal rows ignore the end
-    for row, ids in zip(batch, rows):
-        row[: len(ids)] = ids
-    ours = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(batch)))
+    ours = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(right_padded(rows, max(map(len, rows))))))
     for logits, ids in zip(ours, rows):
         with one_torch_thread():
             np.testing.assert_allclose(logits[: len(ids)], _logits(reference, [ids])[0], atol=1e-3, rtol=0)

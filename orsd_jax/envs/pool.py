@@ -93,8 +93,8 @@ def main_module_not_reimported() -> Iterator[None]:
     """Processes spawned inside do not import the parent's ``__main__`` module again. ``spawn``
     re-imports it (as ``__mp_main__``) so that functions defined there unpickle in the child; our
     workers run orsd_jax's functions only, while an entry module such as
-    ``experiments.train_alfworld`` imports JAX and Flax: 4.8 s of an ALFWorld worker's 10 s start on
-    a 2-core machine (py-spy of a ``tiny`` run), paid by every worker of every run
+    ``experiments.train_alfworld`` imports JAX and Flax: 4.8 s of an ALFWorld worker's 10 s start
+    (py-spy of a ``tiny`` run at ``e0c019a``, the 2-core Intel Xeon), paid by every worker of every run
     (``tests/test_env_pool.py`` checks the child does not import it). Only the start reads these
     attributes; they are restored on leaving."""
     main = sys.modules["__main__"]
