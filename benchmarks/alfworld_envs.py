@@ -1,5 +1,6 @@
-"""ALFWorld on the real engine: game generation time, and 16 environments stepped concurrently
-in an EnvPool versus one after another in one process.
+"""ALFWorld on the real engine: game generation time, 16 environments stepped concurrently in an
+EnvPool versus one after another in one process, and the engine's memoised text parses versus
+TextWorld's own.
 
 Usage: python -m benchmarks.alfworld_envs [--difficulty easy standard] [--envs 16] [--group 8]
            [--rounds 10] [--repeats 3] [--workers W] [--train 200] [--unseen 50] [--parts ...]
@@ -12,6 +13,9 @@ steps each with a seeded random policy over the admissible commands; both modes 
 actions. Steps are timed apart from resets and steps/s are medians of ``--repeats`` runs; the
 reset time is the first run's, which loads the games (later resets of a loaded game skip the
 PDDL translation). The machine's load average is printed: other processes skew the ratio.
+Parses plays the same games one after another in a fresh process per run, with the engine's
+memoised parses and with TextWorld parsing every text (``engine._memoise_parses`` off), the two
+kinds of process interleaved: the first loads and resets of each game, then steps timed apart.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -108,6 +114,48 @@ def bench_stepping(difficulty: str, args) -> dict[str, float]:
     return out
 
 
+def parse_run(root: str, memoised: bool, rounds: int, seed: int) -> dict[str, float]:
+    """One fresh process: every game of ``root``'s train split loaded and played ``rounds`` steps."""
+    child = subprocess.run(
+        [sys.executable, "-m", "benchmarks.alfworld_envs", "--child-parses", root, str(int(memoised)), str(rounds),
+         str(seed)],
+        capture_output=True, text=True, check=True,
+    )
+    return json.loads(child.stdout)
+
+
+def child_parses(root: str, memoised: str, rounds: str, seed: str) -> None:
+    from orsd_jax.envs.alfworld import engine
+
+    if memoised == "0":
+        engine._memoise_parses = lambda: None
+    tasks = load_split(root, "train")
+    reset_s, step_s, steps = play(Sequential(len(tasks)), tasks, int(rounds), int(seed))
+    print(json.dumps({"reset_s": reset_s, "step_s": step_s, "steps": steps}))
+
+
+def report_parses(args) -> None:
+    print("\n| preset | games | TextWorld's parses: first resets, steps/s | memoised: first resets, steps/s | ratio (steps) |")
+    print("|---|---:|---:|---:|---:|")
+    for difficulty in args.difficulty:
+        with tempfile.TemporaryDirectory() as root:
+            n_games = args.envs // args.group
+            generate_games(root, {"train": n_games}, args.seed, difficulty, workers=1)
+            runs = {False: [], True: []}
+            for repeat in range(args.repeats):
+                for memoised in runs:
+                    runs[memoised].append(parse_run(root, memoised, args.rounds, repeat))
+        med = {
+            m: (statistics.median(r["reset_s"] for r in rs), statistics.median(r["steps"] / r["step_s"] for r in rs))
+            for m, rs in runs.items()
+        }
+        print(
+            f"| {difficulty} | {n_games} | {med[False][0]:.2f} s, {med[False][1]:.1f} | {med[True][0]:.2f} s, "
+            f"{med[True][1]:.1f} | {med[True][1] / med[False][1]:.2f}x |",
+            flush=True,
+        )
+
+
 def report_generation(args) -> None:
     print(
         f"| preset | generate {args.train} train + {args.unseen} unseen (2 workers) | walkthrough steps "
@@ -148,8 +196,13 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=200)
     parser.add_argument("--unseen", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--parts", nargs="+", default=["generation", "stepping"], choices=["generation", "stepping"])
+    parser.add_argument(
+        "--parts", nargs="+", default=["generation", "stepping", "parses"], choices=["generation", "stepping", "parses"]
+    )
+    parser.add_argument("--child-parses", nargs=4, help=argparse.SUPPRESS)  # one run of report_parses
     args = parser.parse_args()
+    if args.child_parses:
+        return child_parses(*args.child_parses)
     if args.envs % args.group:
         parser.error("--envs must be a multiple of --group")
     workers = args.workers or os.cpu_count()
@@ -162,6 +215,8 @@ def main() -> None:
         report_generation(args)
     if "stepping" in args.parts:
         report_stepping(args)
+    if "parses" in args.parts:
+        report_parses(args)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 
 

@@ -134,3 +134,46 @@ def test_groups_in_worker_processes_match_sequential_play(tasks):
     finals = [next(s for s in reversed([h[i] for h in parallel]) if s is not None) for i in range(len(per_env))]
     assert all(step.won for step in finals)
     assert parallel[0][0] == parallel[0][1] == parallel[0][2]  # a group starts from one state
+
+
+def _random_play(tasks: list[Task], steps: int = 12, seed: int = 0) -> list[list[str]]:
+    """Each task twice from reset (the second time from the engine's caches), a seeded random
+    admissible command per step: every observation and command list seen."""
+    import random
+
+    env, rng, seen = AlfworldEnv(max_steps=steps), random.Random(seed), []
+    for task in tasks + tasks:
+        state, texts = env.reset(task), []
+        while True:
+            texts += [state.observation, *state.admissible_actions]
+            if state.done:
+                break
+            state = env.step(rng.choice(state.admissible_actions))
+        seen.append(texts)
+    env.close()
+    return seen
+
+
+UNMEMOISED = """
+import json, pickle, sys
+from orsd_jax.envs.alfworld import engine
+import test_alfworld_env as t
+engine._memoise_parses = lambda: None  # TextWorld as installed: every text parsed by TatSu
+print(json.dumps(t._random_play(pickle.load(sys.stdin.buffer))))
+"""
+
+
+def test_memoised_parses_give_textworlds_own_play(tasks):
+    """The engine's memoised TatSu parses (templates, rule conditions, each game's grammar) against
+    TextWorld without them, in a fresh process: the same observations and commands, step by step."""
+    import subprocess
+    import sys
+
+    from textworld.envs.pddl import textgen
+
+    child = subprocess.run(
+        [sys.executable, "-c", UNMEMOISED], input=pickle.dumps(tasks), capture_output=True, check=True,
+        cwd=Path(__file__).parent,
+    )
+    assert _random_play(tasks) == json.loads(child.stdout)
+    assert textgen._parse_and_convert.cache_info().hits > 0  # the memoised path is the one that ran
