@@ -117,9 +117,19 @@ def bench_stepping(difficulty: str, args) -> dict[str, float]:
 def parse_run(root: str, memoised: bool, rounds: int, seed: int) -> dict[str, float]:
     """One fresh process: every game of ``root``'s train split loaded and played ``rounds`` steps."""
     child = subprocess.run(
-        [sys.executable, "-m", "benchmarks.alfworld_envs", "--child-parses", root, str(int(memoised)), str(rounds),
-         str(seed)],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.alfworld_envs",
+            "--child-parses",
+            root,
+            str(int(memoised)),
+            str(rounds),
+            str(seed),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(child.stdout)
 
@@ -135,7 +145,9 @@ def child_parses(root: str, memoised: str, rounds: str, seed: str) -> None:
 
 
 def report_parses(args) -> None:
-    print("\n| preset | games | TextWorld's parses: first resets, steps/s | memoised: first resets, steps/s | ratio (steps) |")
+    print(
+        "\n| preset | games | TextWorld's parses: first resets, steps/s | memoised: first resets, steps/s | ratio (steps) |"
+    )
     print("|---|---:|---:|---:|---:|")
     for difficulty in args.difficulty:
         with tempfile.TemporaryDirectory() as root:

@@ -172,7 +172,10 @@ def test_memoised_parses_give_textworlds_own_play(tasks):
     from textworld.envs.pddl import textgen
 
     child = subprocess.run(
-        [sys.executable, "-c", UNMEMOISED], input=pickle.dumps(tasks), capture_output=True, check=True,
+        [sys.executable, "-c", UNMEMOISED],
+        input=pickle.dumps(tasks),
+        capture_output=True,
+        check=True,
         cwd=Path(__file__).parent,
     )
     assert _random_play(tasks) == json.loads(child.stdout)

@@ -29,9 +29,8 @@ import fast_downward
 import textworld
 import textworld.logic
 from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
-from textworld.envs.pddl import PddlEnv
+from textworld.envs.pddl import PddlEnv, textgen
 from textworld.envs.pddl import logic as pddl_logic
-from textworld.envs.pddl import textgen
 
 NOTHING_HAPPENS = "Nothing happens."  # the engine's reply to a command that is not admissible
 _TRANSLATIONS_KEPT = 8  # two per game (plain and optimised for the planner)
