@@ -206,8 +206,9 @@ class Services:
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax_compile"))
         # Every program, not only those compiling for over a second (JAX's default): a run's many
         # small programs (decode steps, metrics) add up; a rerun of the tiny preset with a warm cache
-        # took 20.2-21.5 s against 24.4-25.9 s (3 runs each, interleaved, at ac11213, 2-core Xeon with
-        # AVX-512, a study run beside).
+        # (`python -m experiments.train_alfworld --preset tiny`, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
+        # 0 against 1) took 20.2-21.5 s against 24.4-25.9 s (3 runs each, interleaved, at ac11213,
+        # 2-core Xeon with AVX-512, a study run beside).
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         # Process 0 first: it fills the caches (generated games, the warm start) the others read.
         self.suite = distributed.main_first("suite", lambda: make_suite(config))

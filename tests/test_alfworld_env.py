@@ -4,9 +4,13 @@ groups stepped in worker processes, checked against the engine and a sequential 
 import functools
 import json
 import pickle
+import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from textworld.envs.pddl import textgen
 
 from orsd_jax.envs import EnvPool, Task, parse_action
 from orsd_jax.envs.alfworld import EASY, AlfworldEnv, GameDataError, build_prompt, generate_games, load_split
@@ -139,8 +143,6 @@ def test_groups_in_worker_processes_match_sequential_play(tasks):
 def _random_play(tasks: list[Task], steps: int = 12, seed: int = 0) -> list[list[str]]:
     """Each task twice from reset (the second time from the engine's caches), a seeded random
     admissible command per step: every observation and command list seen."""
-    import random
-
     env, rng, seen = AlfworldEnv(max_steps=steps), random.Random(seed), []
     for task in tasks + tasks:
         state, texts = env.reset(task), []
@@ -166,11 +168,6 @@ print(json.dumps(t._random_play(pickle.load(sys.stdin.buffer))))
 def test_memoised_parses_give_textworlds_own_play(tasks):
     """The engine's memoised TatSu parses (templates, rule conditions, each game's grammar) against
     TextWorld without them, in a fresh process: the same observations and commands, step by step."""
-    import subprocess
-    import sys
-
-    from textworld.envs.pddl import textgen
-
     child = subprocess.run(
         [sys.executable, "-c", UNMEMOISED],
         input=pickle.dumps(tasks),
