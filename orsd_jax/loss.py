@@ -46,11 +46,13 @@ from orsd_jax.models.decoder import KVCache
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """Defaults: verl-agent's PPO settings (clip 0.2/0.2, dual clip 3, entropy 0.001) and ORSD's
-    correction at ``coef = 0.5, clip = 1``: one token's correction moves a unit-std trajectory
-    advantage by at most 0.5, enough to flip the sign of tokens the rubric reader strongly
-    prefers in failed trajectories (A around -0.35 in a group with one success out of eight) but
-    never that of a clear success's tokens, and a log-ratio of 1 (a factor e) is where the gap
-    saturates, so single tokens with extreme gaps cannot dominate."""
+    correction at ``coef = 0.5, clip = 1``: one token's correction moves a trajectory advantage by
+    at most 0.5. With std-normalised groups of eight (ddof 1), that flips the sign of tokens the
+    rubric reader strongly prefers in failed trajectories when one trajectory succeeds (A = -0.35)
+    but not the success's (A = +2.47); when seven succeed the roles swap (each success +0.35, the
+    failure -2.47), and the correction can flip a success's tokens (the probe's ``sign_flips``
+    counts such tokens). A log-ratio of 1 (a factor e) is where the gap saturates, so single
+    tokens with extreme gaps cannot dominate."""
 
     coef: float = 0.5  # lambda: weight of the rubric correction (0: plain GRPO/GiGPO)
     clip: float = 1.0  # c: the log-likelihood gap is clipped to [-c, c]

@@ -1,3 +1,4 @@
+import collections
 import os
 import pathlib
 
@@ -21,3 +22,12 @@ def webshop_data() -> pathlib.Path:
 # Imported models and generated games are cached inside the checkout (ignored by git), so the
 # suite never writes to the user's home and a second run reuses them.
 os.environ.setdefault("ORSD_JAX_CACHE", str(REPO / ".cache"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with the most ``slow`` tests first, the others in file order. ``-n 2 --dist loadfile``
+    hands a worker the next file when it runs out of work, so the long files should start at once
+    and the short ones fill the end; xdist's own order (most tests first, kept off in pytest.ini)
+    put the one-test files of several minutes last and left one worker alone with them."""
+    slow = collections.Counter(item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # stable

@@ -41,6 +41,7 @@ def _finish(procs: list[subprocess.Popen]) -> None:
         assert proc.returncode == 0, err.decode()[-3000:]
 
 
+@pytest.mark.slow
 def test_two_processes_killed_and_resumed_end_where_one_process_does(tmp_path):
     one = tmp_path / "one"
     reference = _launch(one, 4)

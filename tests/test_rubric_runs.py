@@ -31,6 +31,7 @@ from orsd_jax.train_step import OptimizerConfig
 from orsd_jax.warmstart import FinetuneConfig, finetune
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # the fixtures: a fine-tune and a 4-update run
 UPDATES = 4
 
 
