@@ -183,7 +183,9 @@ def test_chunked_logprob_gradients_equal_full(tiny):
     def full(p):
         return jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(nnx.merge(graphdef, p)(ids)), ids[..., None], -1))
 
-    for a, b in zip(jax.tree.leaves(jax.grad(chunked)(params)), jax.tree.leaves(jax.grad(full)(params))):
+    for a, b in zip(
+        jax.tree.leaves(jax.jit(jax.grad(chunked))(params)), jax.tree.leaves(jax.jit(jax.grad(full))(params))
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
 
 
@@ -348,9 +350,9 @@ def test_frozen_layers_get_no_gradient_and_leave_the_rest_unchanged(tiny):
     frozen = CausalLM(dataclasses.replace(model.config, frozen_layers=2), nnx.Rngs(0))
     nnx.update(frozen, nnx.state(model))
 
-    def grads(m):
+    def grads(m):  # jitted, as in training
         graphdef, params = nnx.split(m)
-        return jax.grad(lambda p: nnx.merge(graphdef, p).token_logprobs(ids, ids)[0].sum())(params)
+        return jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p).token_logprobs(ids, ids)[0].sum()))(params)
 
     full, part = grads(model), grads(frozen)
     for (path, g_full), (_, g_part) in zip(nnx.to_flat_state(full), nnx.to_flat_state(part)):
