@@ -29,5 +29,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     hands a worker the next file when it runs out of work, so the long files should start at once
     and the short ones fill the end; xdist's own order (most tests first, kept off in pytest.ini)
     put the one-test files of several minutes last and left one worker alone with them."""
-    slow = collections.Counter(item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # stable
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable
