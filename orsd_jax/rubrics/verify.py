@@ -65,6 +65,7 @@ from flax import nnx
 from orsd_jax import chat
 from orsd_jax.rollout import Trajectory
 from orsd_jax.rubrics.render import render_trajectory
+from orsd_jax.sampling.vllm_server import CLIENT_KEEPALIVE_S
 
 VERIFIER_PROMPT_VERSION = 2  # 2: the trajectory between <trajectory> tags, written-out control tokens quoted
 _YES = {"yes", "y", "true", "1", "satisfied", "pass"}
@@ -254,10 +255,11 @@ class _DeadlineTransport(httpx2.HTTPTransport):
     """Bounds each request, body included, by ``deadline_s`` from when it is sent. httpx's
     timeouts bound each read only, so a server that drips its answer a byte at a time would hold
     a request (and a worker) for as long as it liked; the deadline is checked as each chunk of the
-    body arrives, so an attempt ends within about ``deadline_s`` plus one read timeout."""
+    body arrives, so an attempt ends within about ``deadline_s`` plus one read timeout. Idle
+    connections are dropped as the sampler's are (``CLIENT_KEEPALIVE_S``)."""
 
     def __init__(self, deadline_s: float, uds: str | None = None):
-        super().__init__(uds=uds)
+        super().__init__(uds=uds, limits=httpx2.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
         self._deadline_s = deadline_s
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:

@@ -37,6 +37,12 @@ from orsd_jax.sampling import watchdog
 SOCKET_URL = "http://localhost"
 # Gives the worker ``reload_weights_and_tied_head`` (see vllm_worker_ext.py), for weight pushes.
 WORKER_EXTENSION = "orsd_jax.sampling.vllm_worker_ext.WeightReload"
+# How long a client keeps an idle connection for reuse. vLLM's server drops a connection idle for
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default), httpx's clients keep one 5 s: a request sent on a
+# connection as the server drops it gets no answer ("Server disconnected without sending a
+# response", which failed a test in CI). Well below the server's, no request is sent on one it may
+# be dropping (tests/faults/test_sampler_faults.py).
+CLIENT_KEEPALIVE_S = 1.0
 
 
 class ServerError(RuntimeError):
@@ -221,7 +227,8 @@ class VLLMServer:
 
     def http(self, *, timeout_s: float = 10.0, max_connections: int = 8) -> httpx2.Client:
         """An HTTP client for this server (over its Unix socket when it has one); close it after use."""
-        transport = httpx2.HTTPTransport(uds=self.unix_socket, limits=httpx2.Limits(max_connections=max_connections))
+        limits = httpx2.Limits(max_connections=max_connections, keepalive_expiry=CLIENT_KEEPALIVE_S)
+        transport = httpx2.HTTPTransport(uds=self.unix_socket, limits=limits)
         return httpx2.Client(base_url=self.url, transport=transport, timeout=timeout_s)
 
     def alive(self) -> bool:
