@@ -256,10 +256,12 @@ class _DeadlineTransport(httpx2.HTTPTransport):
     timeouts bound each read only, so a server that drips its answer a byte at a time would hold
     a request (and a worker) for as long as it liked; the deadline is checked as each chunk of the
     body arrives, so an attempt ends within about ``deadline_s`` plus one read timeout. Idle
-    connections are dropped as the sampler's are (``CLIENT_KEEPALIVE_S``)."""
+    connections are dropped as the sampler's are (``CLIENT_KEEPALIVE_S``); the connection caps are
+    httpx's defaults, which a transport of one's own would otherwise lose."""
 
     def __init__(self, deadline_s: float, uds: str | None = None):
-        super().__init__(uds=uds, limits=httpx2.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
+        limits = httpx2.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=CLIENT_KEEPALIVE_S)
+        super().__init__(uds=uds, limits=limits)
         self._deadline_s = deadline_s
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:

@@ -1,4 +1,5 @@
-"""The sampler's HTTP client against a real server that drops idle connections as vLLM's does.
+"""The sampler's and the verifier's HTTP clients against a real server that drops idle
+connections as vLLM's does.
 
 vLLM's API server (uvicorn) closes a connection idle for ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` seconds
 (5 by default). A request sent on such a connection just as the server closes it gets no answer:
@@ -18,8 +19,10 @@ import socket
 import threading
 import time
 
+import httpx2
 import pytest
 
+from orsd_jax.rubrics.verify import _DeadlineTransport
 from orsd_jax.sampling.vllm_server import VLLMServer
 
 SERVER_KEEPALIVE_S = 5.0  # vLLM's default VLLM_HTTP_TIMEOUT_KEEP_ALIVE
@@ -78,13 +81,24 @@ def server():
     httpd.server_close()
 
 
-def test_no_request_goes_on_a_connection_the_server_may_be_dropping(server):
-    handle = VLLMServer.attach(f"http://127.0.0.1:{server.server_address[1]}")
-    with handle.http() as http:
+def _sampler_client(url: str) -> tuple[httpx2.Client, int]:
+    """The sampler's client, and the connections opened before it (attach's own)."""
+    return VLLMServer.attach(url).http(), 1
+
+
+def _verifier_client(url: str) -> tuple[httpx2.Client, int]:
+    """A client on the verifier's transport, as ``OpenAIVerifier`` builds it."""
+    return httpx2.Client(base_url=url, transport=_DeadlineTransport(deadline_s=30.0)), 0
+
+
+@pytest.mark.parametrize("make_client", [_sampler_client, _verifier_client], ids=["sampler", "verifier"])
+def test_no_request_goes_on_a_connection_the_server_may_be_dropping(server, make_client):
+    client, opened_before = make_client(f"http://127.0.0.1:{server.server_address[1]}")
+    with client as http:
         for _ in range(3):  # quick requests share one connection
             assert http.post("/v1/completions", json={}).status_code == 200
-        assert server.connections == 2  # attach's own client, then this one
+        assert server.connections == opened_before + 1
         time.sleep(SERVER_KEEPALIVE_S - RACE_S / 2)
         assert http.post("/v1/completions", json={}).status_code == 200
     assert server.dropped == 0
-    assert server.connections == 3
+    assert server.connections == opened_before + 2
