@@ -122,6 +122,22 @@ class Budget:
 
 
 @dataclasses.dataclass(frozen=True)
+class RubricStage:
+    """A run's rubric stage, over its training updates (``rubric_stage``)."""
+
+    groups: int  # the groups played: tasks an update x updates
+    with_rubric: float  # rubric/groups_with_rubric
+    # At least this many got a rubric without a mixed outcome: an update's groups with a rubric less
+    # its mixed groups (env/mixed_groups x tasks), where positive; the log does not pair them group by group.
+    unmixed_with_rubric: int
+    correlation: float | None  # rubric/chosen_correlation, mean over the updates that logged one
+    negative_updates: int  # of those, the updates whose chosen correlation was below 0
+    correlated_updates: int
+    memory_offered: float  # rubric/memory/offered: groups whose candidates included the remembered bundle
+    memory_wins: float  # rubric/memory/wins: of those, the groups where it was selected
+
+
+@dataclasses.dataclass(frozen=True)
 class Panel:
     title: str
     metric: str
@@ -268,6 +284,26 @@ def budget(records: Sequence[dict], episodes_per_update: int) -> Budget:
     keys = ("rollout/env_steps", "rollout/generated_tokens", "verifier/calls", "time/update")
     sums = (float(sum(r.get(k) or 0.0 for r in train)) for k in keys)
     return Budget(len(train), len(train) * episodes_per_update, *sums)
+
+
+def rubric_stage(records: Sequence[dict], n_tasks: int) -> RubricStage | None:
+    """The rubric stage's record of a run (``n_tasks``: groups an update); None for a run without one."""
+    train = [r for r in records if not r.get("final") and r.get("rubric/groups_with_rubric") is not None]
+    if not train:
+        return None
+    correlations = [r["rubric/chosen_correlation"] for r in train if r.get("rubric/chosen_correlation") is not None]
+    return RubricStage(
+        groups=len(train) * n_tasks,
+        with_rubric=sum(r["rubric/groups_with_rubric"] for r in train),
+        unmixed_with_rubric=sum(
+            max(0, round(r["rubric/groups_with_rubric"] - n_tasks * (r.get("env/mixed_groups") or 0.0))) for r in train
+        ),
+        correlation=float(np.mean(correlations)) if correlations else None,
+        negative_updates=sum(c < 0 for c in correlations),
+        correlated_updates=len(correlations),
+        memory_offered=sum(r.get("rubric/memory/offered") or 0.0 for r in train),
+        memory_wins=sum(r.get("rubric/memory/wins") or 0.0 for r in train),
+    )
 
 
 def pass_success(records: Sequence[dict], config: Mapping) -> dict[str, float]:
@@ -499,6 +535,33 @@ def final_markdown(
         "time/update); evaluation and start-up are not included."
     )
     lines += ["", "## Interaction budget and time per run", "", note, "", *_table(header, rows)]
+    stages = {run: st for run, rs in records.items() if (st := rubric_stage(rs, configs[run]["n_tasks"]))}
+    if stages:
+        rows = [
+            [
+                run.name,
+                f"{st.with_rubric:.0f} of {st.groups}",
+                f"at least {st.unmixed_with_rubric}",
+                "-" if st.correlation is None else f"{st.correlation:+.2f}",
+                f"{st.negative_updates} of {st.correlated_updates}",
+                f"{st.memory_wins:.0f} of {st.memory_offered:.0f}" if st.memory_offered else "-",
+            ]
+            for run, st in stages.items()
+        ]
+        header = [
+            "run",
+            "groups with a rubric",
+            "of them without a mixed outcome",
+            "chosen correlation, mean over updates",
+            "updates with a negative one",
+            "remembered bundle selected, of offered",
+        ]
+        note = (
+            "Over training updates from metrics.jsonl: rubric/groups_with_rubric; an update's groups with a rubric "
+            "less its mixed groups (env/mixed_groups x tasks) where positive; rubric/chosen_correlation (the selected "
+            "bundles' Spearman correlation with the returns, an update's mean); rubric/memory/wins and /offered."
+        )
+        lines += ["", "## Rubric stage per run", "", note, "", *_table(header, rows)]
     return "\n".join(lines) + "\n"
 
 

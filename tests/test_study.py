@@ -127,6 +127,35 @@ def test_paired_differences_remove_the_seed_to_seed_spread(fabricated):
     assert study.paired_differences(values)["orsd"].n == 2
 
 
+def test_rubric_stage_against_hand_counts():
+    """Two tasks an update: 2 groups with a rubric and half the groups mixed leave at least 1 without a
+    mixed outcome; an update without a correlation is left out of its mean; GRPO has no stage."""
+    records = [
+        {"update": 1, "rubric/groups_with_rubric": 2.0, "env/mixed_groups": 0.5, "rubric/chosen_correlation": -0.4},
+        {"update": 2, "rubric/groups_with_rubric": 0.0, "env/mixed_groups": 0.0, "rubric/chosen_correlation": None},
+        {
+            "update": 3,
+            "rubric/groups_with_rubric": 1.0,
+            "env/mixed_groups": 1.0,
+            "rubric/chosen_correlation": 0.6,
+            "rubric/memory/offered": 2.0,
+            "rubric/memory/wins": 1.0,
+        },
+        {"final": True, "rubric/groups_with_rubric": 2.0},
+    ]
+    assert study.rubric_stage(records, n_tasks=2) == study.RubricStage(
+        groups=6,
+        with_rubric=3.0,
+        unmixed_with_rubric=1,
+        correlation=pytest.approx(0.1),
+        negative_updates=1,
+        correlated_updates=2,
+        memory_offered=2.0,
+        memory_wins=1.0,
+    )
+    assert study.rubric_stage([{"update": 1, "env/success": 0.5}], n_tasks=2) is None
+
+
 def test_budget_sums_the_training_updates(fabricated):
     run = fabricated.runs()[-1]  # orsd, seed 2
     assert study.budget(study.read_records(run.directory), episodes_per_update=4) == study.Budget(
@@ -154,6 +183,8 @@ def test_report_files_from_fabricated_records(fabricated):
     assert "| orsd | 3 | 30.0 [30.0, 30.0] | 33.3 [0.0, 50.0] |" in md  # paired to GRPO, seed by seed
     assert "| orsd-seed2 | 3 | 12 | 36 | 300 | 12 | 3.0 |" in md  # budget: updates, episodes, steps, tokens, calls, min
     assert "| grpo-seed0 | 3 | 12 | 30 | 300 | 0 | 3.0 |" in md
+    # rubric stage: 1 group of 2 an update with a rubric, no mixed outcome logged, no correlation, no memory
+    assert "| orsd-seed2 | 3 of 6 | at least 3 | - | 0 of 0 | - |" in md and "| grpo-seed0 | 3 of" not in md
     assert "without a final evaluation" not in md
     assert "per pass over the pool" not in md  # no pool: every update draws other games
 

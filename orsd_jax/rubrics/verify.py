@@ -65,7 +65,7 @@ from flax import nnx
 from orsd_jax import chat
 from orsd_jax.rollout import Trajectory
 from orsd_jax.rubrics.render import render_trajectory
-from orsd_jax.sampling.vllm_server import CLIENT_KEEPALIVE_S
+from orsd_jax.sampling.vllm_server import client_limits
 
 VERIFIER_PROMPT_VERSION = 2  # 2: the trajectory between <trajectory> tags, written-out control tokens quoted
 _YES = {"yes", "y", "true", "1", "satisfied", "pass"}
@@ -256,12 +256,11 @@ class _DeadlineTransport(httpx2.HTTPTransport):
     timeouts bound each read only, so a server that drips its answer a byte at a time would hold
     a request (and a worker) for as long as it liked; the deadline is checked as each chunk of the
     body arrives, so an attempt ends within about ``deadline_s`` plus one read timeout. Idle
-    connections are dropped as the sampler's are (``CLIENT_KEEPALIVE_S``); the connection caps are
-    httpx's defaults, which a transport of one's own would otherwise lose."""
+    connections are dropped as the sampler's are, and there are at most ``max_connections`` (the
+    verifier's concurrency: one a worker)."""
 
-    def __init__(self, deadline_s: float, uds: str | None = None):
-        limits = httpx2.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=CLIENT_KEEPALIVE_S)
-        super().__init__(uds=uds, limits=limits)
+    def __init__(self, deadline_s: float, max_connections: int, uds: str | None = None):
+        super().__init__(uds=uds, limits=client_limits(max_connections))
         self._deadline_s = deadline_s
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
@@ -351,7 +350,7 @@ class OpenAIVerifier:
             api_key=api_key or "EMPTY",
             timeout=config.timeout_s,
             max_retries=0,
-            http_client=openai.DefaultHttpxClient(transport=_DeadlineTransport(config.timeout_s, config.unix_socket)),
+            http_client=openai.DefaultHttpxClient(transport=_DeadlineTransport(config.timeout_s, config.concurrency, config.unix_socket)),
         )
         self._cache = pathlib.Path(config.cache_dir) if config.cache_dir else None
         if self._cache:

@@ -41,8 +41,14 @@ WORKER_EXTENSION = "orsd_jax.sampling.vllm_worker_ext.WeightReload"
 # VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default), httpx's clients keep one 5 s: a request sent on a
 # connection as the server drops it gets no answer ("Server disconnected without sending a
 # response", which failed a test in CI). Well below the server's, no request is sent on one it may
-# be dropping (tests/faults/test_sampler_faults.py).
+# be dropping (tests/faults/test_idle_connections.py).
 CLIENT_KEEPALIVE_S = 1.0
+
+
+def client_limits(max_connections: int) -> httpx2.Limits:
+    """The connection pool of a client of a vLLM server: at most ``max_connections``, none kept idle
+    for longer than ``CLIENT_KEEPALIVE_S``."""
+    return httpx2.Limits(max_connections=max_connections, keepalive_expiry=CLIENT_KEEPALIVE_S)
 
 
 class ServerError(RuntimeError):
@@ -227,8 +233,7 @@ class VLLMServer:
 
     def http(self, *, timeout_s: float = 10.0, max_connections: int = 8) -> httpx2.Client:
         """An HTTP client for this server (over its Unix socket when it has one); close it after use."""
-        limits = httpx2.Limits(max_connections=max_connections, keepalive_expiry=CLIENT_KEEPALIVE_S)
-        transport = httpx2.HTTPTransport(uds=self.unix_socket, limits=limits)
+        transport = httpx2.HTTPTransport(uds=self.unix_socket, limits=client_limits(max_connections))
         return httpx2.Client(base_url=self.url, transport=transport, timeout=timeout_s)
 
     def alive(self) -> bool:

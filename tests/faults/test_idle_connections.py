@@ -19,10 +19,9 @@ import socket
 import threading
 import time
 
-import httpx2
 import pytest
 
-from orsd_jax.rubrics.verify import _DeadlineTransport
+from orsd_jax.rubrics.verify import EndpointConfig, OpenAIVerifier
 from orsd_jax.sampling.vllm_server import VLLMServer
 
 SERVER_KEEPALIVE_S = 5.0  # vLLM's default VLLM_HTTP_TIMEOUT_KEEP_ALIVE
@@ -81,24 +80,30 @@ def server():
     httpd.server_close()
 
 
-def _sampler_client(url: str) -> tuple[httpx2.Client, int]:
-    """The sampler's client, and the connections opened before it (attach's own)."""
-    return VLLMServer.attach(url).http(), 1
+def _sampler_client(url: str):
+    """A request through the sampler's client, its close, and the connections opened before it
+    (attach's own)."""
+    http = VLLMServer.attach(url).http()
+    return (lambda: http.post("/v1/completions", json={}).raise_for_status()), http.close, 1
 
 
-def _verifier_client(url: str) -> tuple[httpx2.Client, int]:
-    """A client on the verifier's transport, as ``OpenAIVerifier`` builds it."""
-    return httpx2.Client(base_url=url, transport=_DeadlineTransport(deadline_s=30.0)), 0
+def _verifier_client(url: str):
+    """The same through the verifier's own ``openai`` client (its retries are off: a dropped request
+    raises)."""
+    client = OpenAIVerifier(EndpointConfig(base_url=f"{url}/v1", model="policy"))._client
+    return client.models.list, client.close, 0
 
 
 @pytest.mark.parametrize("make_client", [_sampler_client, _verifier_client], ids=["sampler", "verifier"])
 def test_no_request_goes_on_a_connection_the_server_may_be_dropping(server, make_client):
-    client, opened_before = make_client(f"http://127.0.0.1:{server.server_address[1]}")
-    with client as http:
+    request, close, opened_before = make_client(f"http://127.0.0.1:{server.server_address[1]}")
+    try:
         for _ in range(3):  # quick requests share one connection
-            assert http.post("/v1/completions", json={}).status_code == 200
+            request()
         assert server.connections == opened_before + 1
         time.sleep(SERVER_KEEPALIVE_S - RACE_S / 2)
-        assert http.post("/v1/completions", json={}).status_code == 200
+        request()
+    finally:
+        close()
     assert server.dropped == 0
     assert server.connections == opened_before + 2
