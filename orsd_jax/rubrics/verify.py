@@ -350,7 +350,9 @@ class OpenAIVerifier:
             api_key=api_key or "EMPTY",
             timeout=config.timeout_s,
             max_retries=0,
-            http_client=openai.DefaultHttpxClient(transport=_DeadlineTransport(config.timeout_s, config.concurrency, config.unix_socket)),
+            http_client=openai.DefaultHttpxClient(
+                transport=_DeadlineTransport(config.timeout_s, config.concurrency, config.unix_socket)
+            ),
         )
         self._cache = pathlib.Path(config.cache_dir) if config.cache_dir else None
         if self._cache:
