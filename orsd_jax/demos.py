@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from orsd_jax import chat
 from orsd_jax.envs.base import EnvStep, Task, TextEnv
+from orsd_jax.envs.webshop.goals import option_segment
 from orsd_jax.rollout import PromptBuilder, RolloutConfig, fit_prompt
 
-_REASONS = [
+_ALFWORLD_REASONS = [
     (re.compile(r"go to (.+)"), "I go to the {0} to look for what the task needs or to use it."),
     (re.compile(r"take (.+) from (.+)"), "The {0} is here at the {1}, so I take it."),
     (re.compile(r"move (.+) to (.+)"), "I hold the {0}, so I put it in or on the {1}."),
@@ -36,16 +37,37 @@ _REASONS = [
     (re.compile(r"clean (.+) with (.+)"), "The task needs the {0} clean, so I clean it with the {1}."),
     (re.compile(r"use (.+)"), "I turn on the {0} to look at what I hold under its light."),
     (re.compile(r"examine (.+)"), "I examine the {0} to check it."),
-    # WebShop's commands. An option is named in the think before it is clicked, so that the action
-    # can copy it from there (not yet measured): without a reason, a warm start clicked one of the
-    # goal's options in 6 of its 42 option clicks (docs/results/warmstart.md). A product id has ten
-    # letters and digits.
+]
+
+
+# WebShop's commands, without the restated task (an instruction is about 40 tokens to copy in every
+# answer). On the product page the reason restates the goal's options instead and names the one after
+# the last click: with one earlier page in the prompt, the last click is all the policy sees of what
+# it has chosen (reasons that restated the whole task got one of the goal's options in 35 of 124
+# option clicks and won no goal with options, docs/results/warmstart.md). A product id has ten
+# letters and digits.
+_WEBSHOP_REASONS = [
     (re.compile(r"search\[(.+)\]"), "I search for the task's own words."),
-    (re.compile(r"click\[buy now\]"), "This product has what the task asks for, so I buy it."),
     (re.compile(r"click\[(?=[a-z]*\d)([a-z0-9]{10})\]"), "The product {0} matches the task, so I open it."),
     (re.compile(r"click\[(next >|< prev)\]"), "The product the task describes is not on this page."),
-    (re.compile(r"click\[(.+)\]"), "The task asks for {0}, so I choose it."),
 ]
+_OPTION_CLICK = re.compile(r"click\[(.+)\]")
+
+
+def _product_page_reason(task_description: str, value: str, previous: str | None) -> str:
+    """Why click ``value`` (``buy now`` or an option): the goal's options, then where the last
+    click left off."""
+    stated = option_segment(task_description)
+    last = m.group(1) if previous and (m := _OPTION_CLICK.fullmatch(previous)) else None
+    if value == "buy now":
+        if stated is None or last not in stated[1]:
+            return "This product has what the task asks for, so I buy it."
+        return f"The task asks for {stated[0]}. I chose {last} last, the last of them, so I buy it."
+    if stated is None:
+        return f"The task asks for {value}, so I choose it."
+    if last is not None and last in stated[1]:
+        return f"The task asks for {stated[0]}. I chose {last} last, so next I choose {value}."
+    return f"The task asks for {stated[0]}. I choose {value} first."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +80,21 @@ class Demonstration:
     answer_ids: tuple[int, ...]  # the answer's tokens followed by the end-of-turn token
 
 
-def demo_answer(task_description: str, command: str, reasoning: bool = True) -> str:
-    """``<think>why</think><action>command</action>``; the why is built from the task and command."""
+def demo_answer(task_description: str, command: str, reasoning: bool = True, previous: str | None = None) -> str:
+    """``<think>why</think><action>command</action>``; the why is built from the task, the command
+    and the ``previous`` one (WebShop's product page)."""
     if not reasoning:
         return f"<think></think><action>{command}</action>"
-    why = next(
-        (template.format(*m.groups()) for pattern, template in _REASONS if (m := pattern.fullmatch(command))), ""
-    )
+
+    def reason(reasons):
+        return next((why.format(*m.groups()) for pattern, why in reasons if (m := pattern.fullmatch(command))), None)
+
+    if command.startswith("search["):
+        return f"<think>{reason(_WEBSHOP_REASONS)}</think><action>{command}</action>"
+    if click := _OPTION_CLICK.fullmatch(command):
+        why = reason(_WEBSHOP_REASONS) or _product_page_reason(task_description, click.group(1), previous)
+        return f"<think>{why}</think><action>{command}</action>"
+    why = reason(_ALFWORLD_REASONS) or ""
     return f"<think>My task is to {task_description}. {why}".rstrip() + f"</think><action>{command}</action>"
 
 
@@ -136,7 +166,7 @@ def walkthrough_demos(
             fmt=fmt,
         )
         for step, (text, ids, command, _) in enumerate(records):
-            answer = demo_answer(task.description, command, reasoning)
+            answer = demo_answer(task.description, command, reasoning, records[step - 1][2] if step else None)
             demos.append(
                 Demonstration(task.key, step, text, tuple(ids), answer, tuple(chat.encode(tokenizer, answer) + end))
             )

@@ -318,19 +318,32 @@ def test_shuffled_batches_cover_every_index_once():
 
 
 def test_demonstration_reasons_by_hand():
-    """The think block names why, from the command alone: an ALFWorld command, and each kind of
-    WebShop click (a product id has ten letters and digits, at least one a digit)."""
-    task = 'Find me pillows with size: 28" x 28"'
-    head = f"<think>My task is to {task}. "
+    """The think block names why: an ALFWorld command after the restated task; each kind of WebShop
+    click (a product id has ten letters and digits, at least one a digit) without it, and on the
+    product page the goal's options and the one after the previous click."""
+    task = "put a clean apple in fridge"
     assert demo_answer(task, "open drawer 1", reasoning=False) == "<think></think><action>open drawer 1</action>"
-    expected = {
-        "open drawer 1": "The drawer 1 is closed; I open it to see inside.",
-        "search[find me pillows]": "I search for the task's own words.",
-        "click[b0743jkhbv]": "The product b0743jkhbv matches the task, so I open it.",
-        'click[28" x 28"]': 'The task asks for 28" x 28", so I choose it.',
-        "click[multicolor]": "The task asks for multicolor, so I choose it.",
-        "click[next >]": "The product the task describes is not on this page.",
-        "click[buy now]": "This product has what the task asks for, so I buy it.",
-    }
-    for command, why in expected.items():
-        assert demo_answer(task, command) == f"{head}{why}</think><action>{command}</action>"
+    assert demo_answer(task, "open drawer 1") == (
+        f"<think>My task is to {task}. The drawer 1 is closed; I open it to see inside.</think>"
+        "<action>open drawer 1</action>"
+    )
+    shop = (
+        'Find me pillows with printing technology with color: multicolor, and size: 28" x 28", '
+        "and price lower than 30.00 dollars"
+    )
+    options = 'The task asks for color: multicolor, and size: 28" x 28".'
+    expected = [  # (previous command, command, why)
+        (None, "search[find me pillows]", "I search for the task's own words."),
+        ("search[find me pillows]", "click[b0743jkhbv]", "The product b0743jkhbv matches the task, so I open it."),
+        ("click[b0743jkhbv]", "click[next >]", "The product the task describes is not on this page."),
+        ("click[b0743jkhbv]", "click[multicolor]", f"{options} I choose multicolor first."),
+        ("click[multicolor]", 'click[28" x 28"]', f'{options} I chose multicolor last, so next I choose 28" x 28".'),
+        ('click[28" x 28"]', "click[buy now]", f'{options} I chose 28" x 28" last, the last of them, so I buy it.'),
+        ("click[b0743jkhbv]", "click[buy now]", "This product has what the task asks for, so I buy it."),
+    ]
+    for previous, command, why in expected:
+        assert demo_answer(shop, command, previous=previous) == f"<think>{why}</think><action>{command}</action>"
+    no_options = "Find me dual band streaming media players with quad core, and price lower than 360.00 dollars"
+    assert demo_answer(no_options, "click[buy now]", previous="click[b09lskqf8c]") == (
+        "<think>This product has what the task asks for, so I buy it.</think><action>click[buy now]</action>"
+    )

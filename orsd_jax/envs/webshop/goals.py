@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Literal
@@ -33,6 +34,11 @@ SHUFFLE_SEED = 233
 N_TEST_GOALS = 500
 
 Split = Literal["train", "test"]
+
+_OPTIONS_HEAD = " with "
+_OPTIONS_JOIN = ", and "
+_PRICE_CLAUSE = re.compile(r", and price lower than [\d.]+ dollars$")
+_OPTION_NAME = re.compile(r"[a-z][a-z ]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +75,7 @@ def _price_bound(price: float, rng: random.Random) -> tuple[float, str]:
     if len(above) < 2:
         return NO_PRICE_BOUND, ""
     upper = max(rng.sample(above, 2))
-    return upper, f", and price lower than {upper:.2f} dollars"
+    return upper, f"{_OPTIONS_JOIN}price lower than {upper:.2f} dollars"
 
 
 def _goal(
@@ -105,7 +111,7 @@ def synthetic_goals(catalog: Catalog, prices: Mapping[str, float], rng: random.R
         names = sorted(options)
         for values in itertools.product(*(options[n] for n in names)):
             pairs = tuple(zip(names, values))
-            option_text = " with " + ", and ".join(f"{k}: {v}" for k, v in pairs) if pairs else ""
+            option_text = _OPTIONS_HEAD + _OPTIONS_JOIN.join(f"{k}: {v}" for k, v in pairs) if pairs else ""
             goals.append(
                 _goal(product, f"{instruction.text}{option_text}{price_text}", instruction.attributes, upper, pairs)
             )
@@ -114,6 +120,22 @@ def synthetic_goals(catalog: Catalog, prices: Mapping[str, float], rng: random.R
     return [
         dataclasses.replace(g, weight=sum(1.0 / counts[a] for a in g.attributes) / len(g.attributes)) for g in goals
     ]
+
+
+def option_segment(instruction: str) -> tuple[str, tuple[str, ...]] | None:
+    """A synthetic goal's options as its instruction states them (``"color: black, and size: 7"``)
+    and their values in that order; None when it names none. The first `` with `` whose rest splits
+    into ``name: value`` parts (names without " with "): every goal of the 1000-product set parses
+    to its own ``option_values`` (tests/test_webshop_goals.py)."""
+    body = _PRICE_CLAUSE.sub("", instruction.strip())
+    start = 0
+    while (at := body.find(_OPTIONS_HEAD, start)) >= 0:
+        segment = body[at + len(_OPTIONS_HEAD) :]
+        parts = [p.split(": ", 1) for p in segment.split(_OPTIONS_JOIN)]
+        if all(len(p) == 2 and _OPTION_NAME.fullmatch(p[0]) and _OPTIONS_HEAD not in p[0] for p in parts):
+            return segment, tuple(p[1] for p in parts)
+        start = at + 1
+    return None
 
 
 def human_goals(catalog: Catalog, prices: Mapping[str, float], rng: random.Random) -> list[Goal]:
