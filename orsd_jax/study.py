@@ -111,7 +111,8 @@ class CurvePoint:
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """A run's interaction, summed over its training updates (evaluation not included)."""
+    """A run's interaction, summed over its training updates (evaluation not included), and the
+    highest share of invalid answers an update had."""
 
     updates: int
     episodes: int
@@ -119,6 +120,7 @@ class Budget:
     generated_tokens: float  # rollout/generated_tokens: the policy's tokens in the environment
     verifier_calls: float  # verifier/calls (requests, retries included)
     update_seconds: float  # time/update: rollouts, rubric stage, training and weight push
+    highest_invalid_rate: float | None  # env/invalid_rate, the maximum over updates (None: not logged)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,8 +284,10 @@ def paired_differences(values: Mapping[RunSpec, float], baseline: str = BASELINE
 def budget(records: Sequence[dict], episodes_per_update: int) -> Budget:
     train = [r for r in records if not r.get("final")]
     keys = ("rollout/env_steps", "rollout/generated_tokens", "verifier/calls", "time/update")
-    sums = (float(sum(r.get(k) or 0.0 for r in train)) for k in keys)
-    return Budget(len(train), len(train) * episodes_per_update, *sums)
+    steps, tokens, calls, seconds = (float(sum(r.get(k) or 0.0 for r in train)) for k in keys)
+    invalid = [r["env/invalid_rate"] for r in train if r.get("env/invalid_rate") is not None]
+    highest = max(invalid) if invalid else None
+    return Budget(len(train), len(train) * episodes_per_update, steps, tokens, calls, seconds, highest)
 
 
 def rubric_stage(records: Sequence[dict], n_tasks: int) -> RubricStage | None:
@@ -527,12 +531,23 @@ def final_markdown(
                 f"{b.generated_tokens:.0f}",
                 f"{b.verifier_calls:.0f}",
                 f"{b.update_seconds / 60:.1f}",
+                "-" if b.highest_invalid_rate is None else _percent(b.highest_invalid_rate),
             ]
         )
-    header = ["run", "updates", "episodes", "env steps", "generated tokens", "verifier calls", "update time (min)"]
+    header = [
+        "run",
+        "updates",
+        "episodes",
+        "env steps",
+        "generated tokens",
+        "verifier calls",
+        "update time (min)",
+        "highest invalid share (%)",
+    ]
     note = (
         "Summed over training updates from metrics.jsonl (rollout/env_steps, rollout/generated_tokens, verifier/calls, "
-        "time/update); evaluation and start-up are not included."
+        "time/update); evaluation and start-up are not included. The highest invalid share is env/invalid_rate's "
+        "maximum over the updates."
     )
     lines += ["", "## Interaction budget and time per run", "", note, "", *_table(header, rows)]
     stages = {run: st for run, rs in records.items() if (st := rubric_stage(rs, configs[run]["n_tasks"]))}

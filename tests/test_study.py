@@ -159,8 +159,23 @@ def test_rubric_stage_against_hand_counts():
 def test_budget_sums_the_training_updates(fabricated):
     run = fabricated.runs()[-1]  # orsd, seed 2
     assert study.budget(study.read_records(run.directory), episodes_per_update=4) == study.Budget(
-        updates=3, episodes=12, env_steps=36.0, generated_tokens=300.0, verifier_calls=12.0, update_seconds=180.0
+        updates=3,
+        episodes=12,
+        env_steps=36.0,
+        generated_tokens=300.0,
+        verifier_calls=12.0,
+        update_seconds=180.0,
+        highest_invalid_rate=0.5,
     )
+    # The highest invalid share: the final evaluation's record and unlogged updates left out.
+    records = [
+        {"update": 1, "env/invalid_rate": 0.25},
+        {"update": 2, "env/invalid_rate": None},
+        {"update": 3, "env/invalid_rate": 0.75},
+        {"update": 3, "final": True, "env/invalid_rate": 0.9},
+    ]
+    assert study.budget(records, episodes_per_update=4).highest_invalid_rate == 0.75
+    assert study.budget([{"update": 1}], episodes_per_update=4).highest_invalid_rate is None
 
 
 # The report.
@@ -181,8 +196,9 @@ def test_report_files_from_fabricated_records(fabricated):
     assert "## valid_seen: success per task type (%)" in md and "| method | seeds | All | Look |" in md
     assert "## valid_unseen: success per task type" not in md  # "All" only
     assert "| orsd | 3 | 30.0 [30.0, 30.0] | 33.3 [0.0, 50.0] |" in md  # paired to GRPO, seed by seed
-    assert "| orsd-seed2 | 3 | 12 | 36 | 300 | 12 | 3.0 |" in md  # budget: updates, episodes, steps, tokens, calls, min
-    assert "| grpo-seed0 | 3 | 12 | 30 | 300 | 0 | 3.0 |" in md
+    # budget: updates, episodes, steps, tokens, calls, min, highest invalid share
+    assert "| orsd-seed2 | 3 | 12 | 36 | 300 | 12 | 3.0 | 50.0 |" in md
+    assert "| grpo-seed0 | 3 | 12 | 30 | 300 | 0 | 3.0 | 50.0 |" in md
     # rubric stage: 1 group of 2 an update with a rubric, no mixed outcome logged, no correlation, no memory
     assert "| orsd-seed2 | 3 of 6 | at least 3 | - | 0 of 0 | - |" in md and "| grpo-seed0 | 3 of" not in md
     assert "without a final evaluation" not in md
