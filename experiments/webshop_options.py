@@ -42,10 +42,9 @@ def replay(env: WebShopEnv, task: Task, answers: Sequence[str]) -> EpisodeOption
     for answer in answers:
         if step.done:
             raise ValueError(f"task {task.key}: more answers than the episode's steps")
-        before = env.session.options
+        before = dict(env.session.options)
         step = env.step(parse_action(answer, step.admissible_actions).action or "")
-        chosen = dict(env.session.options)
-        changed = [v for k, v in chosen.items() if dict(before).get(k) != v] if not step.done else []
+        changed = [v for k, v in env.session.options if before.get(k) != v]
         clicks += bool(changed)
         named += any(v.lower() in goal for v in changed)
     bought = "reward_info" in step.info

@@ -287,7 +287,7 @@ _CPU_WEBSHOP_WARMSTART = WarmStartRun(
     search="instruction",
     # 96 goals with reasons that restate the goal's options and name the next one to click: 94.4%
     # valid answers and 18 of 50 held-out goals won at 0.7. 96 goals without reasons: 96.9% and 2/50
-    # (options clicked at random); 48 goals: 75.2% and 3/50 (docs/results/warmstart.md).
+    # (6 of 42 option clicks named a goal option); 48 goals: 75.2% and 3/50 (docs/results/warmstart.md).
     demo_games=96,
     max_detours=0,
     reasoning=True,

@@ -59,6 +59,13 @@ def test_a_wrong_value_a_button_and_a_broken_answer(env, two_option_goal):
     assert table.splitlines()[2:] == ["| 2 | 2 | 1 | 4 | 3 | 2 | 1 |", "| all | 2 | 1 | 4 | 3 | 2 | 1 |"]
 
 
+def test_an_option_click_that_ends_the_episode_counts(webshop_data, two_option_goal):
+    task, commands = two_option_goal
+    short = WebShopEnv(webshop_data, max_steps=3)  # search, open, the first option: the step limit
+    e = replay(short, task, [_answer(c) for c in commands[:3]])
+    assert (e.option_clicks, e.named_clicks, e.bought, e.bought_all, e.won) == (1, 1, False, False, False)
+
+
 def test_more_answers_than_steps_is_an_error(env, two_option_goal):
     task, commands = two_option_goal
     with pytest.raises(ValueError, match="more answers than the episode's steps"):
