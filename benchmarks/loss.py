@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,15 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def matmul_seconds() -> Callable[[], float]:
+    """A timer of one f32 2048^3 matmul (compiled): ``2 * 2048**3`` FLOPs over its median is the
+    machine's peak rate here."""
+    matrix = jnp.ones((2048, 2048), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(matrix).block_until_ready()
+    return lambda: timed(lambda: matmul(matrix))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4, help="step samples per batch")
@@ -191,9 +201,7 @@ def main() -> None:
             "compile": time.perf_counter() - start,
             "times": [],
         }
-    matrix = jnp.ones((2048, 2048), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(matrix).block_until_ready()
+    matmul = matmul_seconds()
     matmul_times = []
     for _ in range(args.reps):  # interleaved, so load changes hit every layout and the peak alike
         for run in runs.values():
@@ -204,7 +212,7 @@ def main() -> None:
                 state, metrics, _ = run["step"](state, run["batch"])
                 jax.block_until_ready(metrics)
             run["times"].append(time.perf_counter() - start)
-        matmul_times += [timed(lambda: matmul(matrix)) for _ in range(5)]
+        matmul_times += [matmul() for _ in range(5)]
     peak = 2 * 2048**3 / statistics.median(matmul_times)
 
     p, s = len(samples[0].prefix), len(samples[0].tail)

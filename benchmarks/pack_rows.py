@@ -26,8 +26,9 @@ import numpy as np
 from orsd_jax import chat
 from orsd_jax.batch import StepSample
 from orsd_jax.config import preset
+from orsd_jax.estimate import step_flops
 from orsd_jax.loss import OrsdLoss
-from orsd_jax.minibatches import train_minibatches
+from orsd_jax.minibatches import minibatch, train_minibatches
 from orsd_jax.models import EMBEDDED, load_model
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
 
@@ -49,6 +50,16 @@ def step_samples(args, tokenizer, vocab: int) -> list[StepSample]:
             )
         )
     return out
+
+
+def update_flops(model_config, samples: list[StepSample], order: np.ndarray, config) -> float:
+    """Dense FLOPs of the update's train steps (``orsd_jax.estimate.step_flops``) on the minibatches
+    ``train_minibatches`` builds for ``config``."""
+    spec = config.minibatch_spec()
+    starts = range(0, len(samples), spec.rows)
+    return sum(
+        step_flops(model_config, minibatch([samples[i] for i in order[s : s + spec.rows]], spec)) for s in starts
+    )
 
 
 def main() -> None:
@@ -79,7 +90,9 @@ def main() -> None:
         "packed rows": dataclasses.replace(base, pack_rows=True, row_tokens=0),
         **{f"packed, >= {n}": dataclasses.replace(base, pack_rows=True, row_tokens=n) for n in args.row_tokens},
     }
-    runs = {name: {"times": []} for name in configs}
+    runs = {
+        name: {"times": [], "flops": update_flops(model.config, samples, order[0], c)} for name, c in configs.items()
+    }
     for _ in range(1 + args.reps):
         for name, config in configs.items():
             start = time.perf_counter()
@@ -91,13 +104,16 @@ def main() -> None:
         f"{args.samples} step samples ({args.method}), prompts {args.prompt_min}-{args.prompt_max} tokens, "
         f"{jax.device_count()} device(s), medians of {args.reps}"
     )
-    print(f"{'rows':<20}{'first (compiles)':>18}{'update':>10}{'slots':>10}{'fill':>7}{'speed-up':>10}")
+    print(
+        f"{'rows':<20}{'first (compiles)':>18}{'update':>10}{'slots':>10}{'fill':>7}{'TFLOP':>8}{'speed-up':>10}"
+        f"{'FLOP ratio':>12}"
+    )
     one = statistics.median(runs["one per row"]["times"][1:])
     for name, run in runs.items():
         c, median = run["counts"], statistics.median(run["times"][1:])
         print(
             f"{name:<20}{run['times'][0]:>17.1f}s{median:>9.1f}s{c['row_slots']:>10}{c['row_tokens'] / c['row_slots']:>7.0%}"
-            f"{one / median:>9.2f}x"
+            f"{run['flops'] / 1e12:>8.2f}{one / median:>9.2f}x{runs['one per row']['flops'] / run['flops']:>11.2f}x"
         )
 
 

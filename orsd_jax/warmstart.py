@@ -116,17 +116,46 @@ def finetune(
     optimizer = make_optimizer(config.optimizer, frozen_layers=model.config.frozen_layers)
     graphdef, state, sharding = init_train_state(model, optimizer, mesh)
     step = make_train_step(SupervisedLoss(), optimizer, graphdef, sharding)
+    plan = finetune_plan(samples, config, devices=mesh.size, frozen=model.config.frozen_layers > 0)
+    frozen = frozen_states(graphdef, state.params, plan.frozen_pass, len(samples)) if plan.frozen_pass else None
+    updates = 0
+    for epoch, batches in enumerate(plan.epochs):
+        for indices, batch in batches:
+            started = time.perf_counter()
+            if frozen is not None:
+                batch = dataclasses.replace(batch, frozen=place_states(batch, [frozen[i] for i in indices]))
+            state, metrics, _ = step(state, batch, config.micro_batches)
+            values = {k: float(v) for k, v in jax.device_get(metrics).items() if not k.startswith("sum/")}
+            updates += 1
+            log(updates, values | {"epoch": epoch, "seconds": time.perf_counter() - started})
+    return nnx.merge(graphdef, state.params)
+
+
+IndexedBatch = tuple[list[int], Batch]  # the input samples a batch holds, in its input order
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetunePlan:
+    """The batches of a fine-tune: the frozen layers' pass (empty without frozen layers) and every
+    epoch's updates."""
+
+    frozen_pass: list[IndexedBatch]
+    epochs: list[list[IndexedBatch]]
+
+
+def finetune_plan(samples: Sequence[StepSample], config: FinetuneConfig, *, devices: int, frozen: bool) -> FinetunePlan:
+    """The batches ``finetune`` runs, from the samples' lengths and ``config`` alone (shuffled with
+    ``config.seed``), for ``devices`` data-parallel devices; ``benchmarks/warmstart.py`` counts
+    their FLOPs."""
     rng = random.Random(config.seed)
     orders = [shuffled_batches(len(samples), len(samples), rng)[0] for _ in range(config.epochs)]
     # Rows padded to a multiple of 8 (and of the devices x micro-batches): a short last batch of a
     # kind costs its own rows, for at most a few more compiled shapes per prompt-length bucket.
-    multiple = math.lcm(mesh.size * config.micro_batches, ROW_MULTIPLE)
+    multiple = math.lcm(devices * config.micro_batches, ROW_MULTIPLE)
     lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
     if config.pack_tokens:
-        if config.batch_size % (mesh.size * config.micro_batches):
-            raise ValueError(
-                f"batch_size {config.batch_size} rows do not split over {mesh.size} devices x micro-batches"
-            )
+        if config.batch_size % (devices * config.micro_batches):
+            raise ValueError(f"batch_size {config.batch_size} rows do not split over {devices} devices x micro-batches")
         plans = [packed_steps(lengths, order, config.batch_size, config.pack_tokens) for order in orders]
         make = functools.partial(
             _packed_batch,
@@ -144,27 +173,16 @@ def finetune(
         steps = [(indices, build_batch([samples[i] for i in indices], batch_multiple=multiple)) for indices in by_size]
         per_epoch = -(-len(samples) // config.batch_size)
         epochs = [steps[e * per_epoch : (e + 1) * per_epoch] for e in range(config.epochs)]
-    frozen = None
-    if model.config.frozen_layers:
-        # A row per sample, by length, so that few are padded far, even when the updates pack
-        # several a row: attention over a whole packed row costs the square of its length, and the
-        # frozen layers' pass over WebShop's packed rows took 17 minutes against 5 this way
-        # (docs/results/warmstart.md). A segment's states do not depend on the row it shares.
-        by_length = sorted(range(len(samples)), key=lengths.__getitem__)  # the tail is the same for all
-        chunks = [by_length[s : s + config.batch_size] for s in range(0, len(samples), config.batch_size)]
-        once = [(c, build_batch([samples[i] for i in c], batch_multiple=multiple)) for c in chunks]
-        frozen = frozen_states(graphdef, state.params, once, len(samples))
-    updates = 0
-    for epoch, batches in enumerate(epochs):
-        for indices, batch in batches:
-            started = time.perf_counter()
-            if frozen is not None:
-                batch = dataclasses.replace(batch, frozen=place_states(batch, [frozen[i] for i in indices]))
-            state, metrics, _ = step(state, batch, config.micro_batches)
-            values = {k: float(v) for k, v in jax.device_get(metrics).items() if not k.startswith("sum/")}
-            updates += 1
-            log(updates, values | {"epoch": epoch, "seconds": time.perf_counter() - started})
-    return nnx.merge(graphdef, state.params)
+    if not frozen:
+        return FinetunePlan([], epochs)
+    # A row per sample, by length, so that few are padded far, even when the updates pack
+    # several a row: attention over a whole packed row costs the square of its length, and the
+    # frozen layers' pass over WebShop's packed rows took 17 minutes against 5 this way
+    # (docs/results/warmstart.md). A segment's states do not depend on the row it shares.
+    by_length = sorted(range(len(samples)), key=lengths.__getitem__)  # the tail is the same for all
+    chunks = [by_length[s : s + config.batch_size] for s in range(0, len(samples), config.batch_size)]
+    once = [(c, build_batch([samples[i] for i in c], batch_multiple=multiple)) for c in chunks]
+    return FinetunePlan(once, epochs)
 
 
 def packed_steps(lengths: Sequence[int], order: Sequence[int], rows: int, tokens: int) -> list[list[list[int]]]:
@@ -348,14 +366,9 @@ def demo_source(run: WarmStartRun) -> DemoSource:
     )
 
 
-def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[str], None] = print) -> pathlib.Path:
-    """Demonstrations, fine-tuning and export: ``out_dir/policy`` (a Hugging Face directory),
-    ``out_dir/demos.jsonl`` and ``out_dir/warmstart.json`` (settings, timings, loss curve)."""
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    model, tokenizer = load_model(run.model, frozen_layers=run.frozen_layers)
-    fmt = chat.chat_format(tokenizer)
+def demonstrations(run: WarmStartRun, tokenizer, fmt: chat.ChatFormat) -> list[Demonstration]:
+    """``run``'s demonstrations, recorded on exactly the RL prompts: every demonstrated game, then
+    the first ``run.rubric_games`` again with their oracle rubric."""
     source = demo_source(run)
     tasks, env = source.tasks, source.env
     record = functools.partial(
@@ -375,9 +388,23 @@ def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[
             with_rubric(d, inserts[d.game], tokenizer=tokenizer, fmt=fmt) for d in record(tasks[: run.rubric_games])
         ]
     env.close()
+    return demos
+
+
+def run_warmstart(run: WarmStartRun, out_dir: str | os.PathLike, log: Callable[[str], None] = print) -> pathlib.Path:
+    """Demonstrations, fine-tuning and export: ``out_dir/policy`` (a Hugging Face directory),
+    ``out_dir/demos.jsonl`` and ``out_dir/warmstart.json`` (settings, timings, loss curve)."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    model, tokenizer = load_model(run.model, frozen_layers=run.frozen_layers)
+    fmt = chat.chat_format(tokenizer)
+    demos = demonstrations(run, tokenizer, fmt)
     write_jsonl(demos, out / "demos.jsonl")
     demo_seconds = time.perf_counter() - started
-    log(f"{len(demos)} demonstrations from {len(tasks)} games ({demo_seconds:.0f} s) -> {out / 'demos.jsonl'}")
+    log(
+        f"{len(demos)} demonstrations from {len({d.game for d in demos})} games ({demo_seconds:.0f} s) -> {out / 'demos.jsonl'}"
+    )
     curve: list[dict[str, float]] = []
 
     def log_step(step: int, metrics: dict[str, float]) -> None:

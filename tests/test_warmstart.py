@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from orsd_jax import chat, warmstart
 from orsd_jax.batch import build_batch
 from orsd_jax.config import preset
-from orsd_jax.demos import alfworld_walkthrough, demo_answer, record_episode, walkthrough_demos
+from orsd_jax.demos import Demonstration, alfworld_walkthrough, demo_answer, record_episode, walkthrough_demos
 from orsd_jax.envs import EnvPool
 from orsd_jax.envs.alfworld import AlfworldEnv, build_prompt, default_games, load_split
 from orsd_jax.models import EMBEDDED, CausalLM, ModelConfig, resolve
@@ -33,6 +33,7 @@ from orsd_jax.warmstart import (
     demo_sample,
     demo_source,
     finetune,
+    finetune_plan,
     frozen_states,
     packed_steps,
     place_states,
@@ -196,8 +197,6 @@ def test_demonstrations_do_not_depend_on_where_the_games_are(setup, tmp_path):
 def test_supervised_loss_counts_answer_tokens_only(setup):
     """By hand: -sum over answer tokens of log softmax(logits)[next token], from a plain forward."""
     tokenizer, fmt, model, _ = setup
-    from orsd_jax.demos import Demonstration
-
     prompt = chat.prompt_ids(fmt, tokenizer, "You are in a room. Your task is to: look at a book.")
     answer = chat.encode(tokenizer, "<think></think><action>go to desk 1</action>") + [fmt.stop_token_ids[0]]
     demo = Demonstration("g", 0, "", tuple(prompt), "", tuple(answer))
@@ -226,8 +225,6 @@ def test_supervised_loss_counts_answer_tokens_only(setup):
 
 
 def _demo_samples(fmt, tokenizer, texts):
-    from orsd_jax.demos import Demonstration
-
     samples = []
     for k, text in enumerate(texts):
         prompt = chat.prompt_ids(fmt, tokenizer, text)
@@ -281,8 +278,6 @@ def test_packed_warm_start_updates_have_one_shape(setup, tmp_path):
     """``FinetuneConfig.pack_tokens``: every update of every epoch is the same shape of batch, and
     every demonstration is trained on once an epoch."""
     tokenizer, fmt, model, _ = setup
-    from orsd_jax.demos import Demonstration
-
     demos = [
         Demonstration("g", k, "", tuple(chat.prompt_ids(fmt, tokenizer, t * (k + 1))), "", (5, 6, 7)[: 1 + k % 3])
         for k, t in enumerate(TEXTS * 3)
@@ -306,6 +301,28 @@ def test_packed_warm_start_updates_have_one_shape(setup, tmp_path):
         finetune(model, demos, config, fmt=fmt)
     assert len(shapes) >= 4 and all(s == shapes[0] for s in shapes)
     assert sum(trained) == 2 * sum(len(d.answer_ids) for d in demos)
+
+
+@pytest.mark.parametrize("pack_tokens", [0, 256])
+def test_finetune_plan_holds_every_demonstration_once_per_pass(setup, pack_tokens):
+    """The frozen layers' pass holds each sample once, in rows by length; every epoch's updates hold
+    each once, with its tokens where its segment is."""
+    tokenizer, fmt, _, _ = setup
+    samples = [
+        demo_sample(Demonstration("g", k, "", tuple(chat.prompt_ids(fmt, tokenizer, t * (k + 1))), "", (5, 6)), fmt)
+        for k, t in enumerate(TEXTS * 3)
+    ]
+    config = FinetuneConfig(epochs=2, batch_size=4, pack_tokens=pack_tokens)
+    plan = finetune_plan(samples, config, devices=1, frozen=True)
+    assert sorted(i for indices, _ in plan.frozen_pass for i in indices) == list(range(len(samples)))
+    widths = [b.tokens.shape[1] for _, b in plan.frozen_pass]
+    assert widths == sorted(widths)
+    assert len(plan.epochs) == 2
+    for epoch in plan.epochs:
+        assert sorted(i for indices, _ in epoch for i in indices) == list(range(len(samples)))
+        for indices, batch in epoch:
+            assert int(np.sum(batch.response_mask)) == 2 * len(indices)
+    assert finetune_plan(samples, config, devices=1, frozen=False).frozen_pass == []
 
 
 def test_shuffled_batches_cover_every_index_once():

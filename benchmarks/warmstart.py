@@ -1,0 +1,167 @@
+"""The warm start's work against the machine: FLOPs of a preset's fine-tune, the fastest it could run.
+
+Usage: python -m benchmarks.warmstart [--env alfworld webshop] [--data-dir DIR] [--measure 2]
+
+For each environment's ``cpu-demo`` warm start (``orsd_jax.config``), the demonstrations are
+recorded as the warm start records them and batched as ``warmstart.finetune_plan`` batches them
+(the frozen layers' pass, then the updates). Per stage it prints the dense FLOPs
+(``orsd_jax.estimate``) the batches execute (padding, and attention across the demonstrations
+that share a packed row, included) and the FLOPs of the demonstrations alone (each its own
+unpadded sequence: what any implementation has to compute), and both divided by the f32 matmul
+rate (2048^3) measured in the same run: a lower bound on the stage's time on this machine.
+
+``--measure N`` also times the real steps: the frozen layers' pass over its longest batch and
+its median one, and the first ``N`` updates (on zero frozen states: the cost does not depend on
+their values), each run once to compile and then timed, with the rate they reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.loss import matmul_seconds
+from orsd_jax import chat
+from orsd_jax.batch import Batch
+from orsd_jax.config import preset
+from orsd_jax.estimate import forward_flops
+from orsd_jax.models import ModelConfig, load_model
+from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
+from orsd_jax.warmstart import (
+    SupervisedLoss,
+    WarmStartRun,
+    demo_sample,
+    demonstrations,
+    finetune_plan,
+    frozen_states,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartWork:
+    """Per stage (the frozen layers' pass, the updates): batches, FLOPs executed and of the
+    demonstrations alone, and what ``--measure`` timed."""
+
+    name: str
+    batches: tuple[int, int]
+    executed: tuple[float, float]
+    alone: tuple[float, float]
+    measured: tuple[str, str]
+
+
+def layers(c: ModelConfig, n: int) -> ModelConfig:
+    return dataclasses.replace(c, num_layers=n, frozen_layers=0)
+
+
+def pass_flops(c: ModelConfig, frozen: int, batch: Batch) -> float:
+    """The frozen layers' forward over ``batch``."""
+    return forward_flops(layers(c, frozen), *batch.tokens.shape, 0)
+
+
+def update_flops(c: ModelConfig, frozen: int, batch: Batch) -> float:
+    """One update: the trained layers' forward, backward (2x) and remat (1x), the LM head on the
+    response slots of each row; the frozen layers' states are read, not computed."""
+    rows, t = batch.tokens.shape
+    head = batch.response.shape[0] // rows * batch.response.shape[1]
+    return (4 if c.remat else 3) * forward_flops(layers(c, c.num_layers - frozen), rows, t, head)
+
+
+def alone_flops(c: ModelConfig, frozen: int, lengths: list[int], answers: list[int]) -> tuple[float, float]:
+    """(frozen pass, updates) FLOPs of the demonstrations, each its own unpadded row."""
+    k = 4 if c.remat else 3
+    below = sum(forward_flops(layers(c, frozen), 1, n, 0) for n in lengths)
+    above = sum(k * forward_flops(layers(c, c.num_layers - frozen), 1, n, a) for n, a in zip(lengths, answers))
+    return below, above
+
+
+def measure(model, run: WarmStartRun, samples, plan, n: int) -> tuple[str, str]:
+    """The frozen layers' pass over its longest and its median batch, and updates 2 to ``n + 1``
+    (the first compiles), each after a compiling run: their time and rate."""
+    c, frozen = model.config, run.frozen_layers
+    optimizer = make_optimizer(run.train.optimizer, frozen_layers=frozen)
+    graphdef, state, sharding = init_train_state(model, optimizer, make_mesh())
+    by_length = sorted(plan.frozen_pass, key=lambda ib: ib[1].tokens.shape[1])
+    seconds, flops = 0.0, 0.0
+    for chunk in (by_length[-1], by_length[len(by_length) // 2]):
+        frozen_states(graphdef, state.params, [chunk], len(samples))  # compiles
+        start = time.perf_counter()
+        frozen_states(graphdef, state.params, [chunk], len(samples))
+        seconds += time.perf_counter() - start
+        flops += pass_flops(c, frozen, chunk[1])
+    frozen_pass = f"{seconds:.1f} s for 2 batches, {flops / seconds / 1e9:.0f} GFLOP/s"
+    step = make_train_step(SupervisedLoss(), optimizer, graphdef, sharding)
+    times = []
+    for _, batch in [ib for epoch in plan.epochs for ib in epoch][: n + 1]:
+        batch = dataclasses.replace(batch, frozen=np.zeros((*batch.tokens.shape, c.hidden_size), np.float32))
+        start = time.perf_counter()
+        state, metrics, _ = step(state, batch, run.train.micro_batches)  # the state is donated
+        jax.block_until_ready(metrics)
+        times.append((time.perf_counter() - start, update_flops(c, frozen, batch)))
+    timed_updates = times[1:]
+    rate = sum(f for _, f in timed_updates) / sum(t for t, _ in timed_updates)
+    median = statistics.median(t for t, _ in timed_updates)
+    return frozen_pass, f"{median:.1f} s an update (median of {len(timed_updates)}), {rate / 1e9:.0f} GFLOP/s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", nargs="+", default=["alfworld", "webshop"], choices=["alfworld", "webshop"])
+    parser.add_argument("--data-dir", default="../shared/webshop", help="WebShop's files")
+    parser.add_argument("--measure", type=int, default=0, help="updates to time (0: FLOPs only)")
+    args = parser.parse_args()
+
+    matmul = matmul_seconds()
+    peak_times = [matmul() for _ in range(5)]
+    rows = []
+    for env in args.env:
+        run: WarmStartRun = preset("cpu-demo", env).model.warmstart
+        if env == "webshop":
+            run = dataclasses.replace(run, data_dir=args.data_dir)
+        model, tokenizer = load_model(run.model, frozen_layers=run.frozen_layers)
+        fmt = chat.chat_format(tokenizer)
+        samples = [demo_sample(d, fmt) for d in demonstrations(run, tokenizer, fmt)]
+        plan = finetune_plan(samples, run.train, devices=make_mesh().size, frozen=run.frozen_layers > 0)
+        c, frozen = model.config, run.frozen_layers
+        updates = [b for epoch in plan.epochs for _, b in epoch]
+        executed = (
+            sum(pass_flops(c, frozen, b) for _, b in plan.frozen_pass),
+            sum(update_flops(c, frozen, b) for b in updates),
+        )
+        lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
+        below, above = alone_flops(c, frozen, lengths, [len(s.response) for s in samples])
+        alone = (below, above * run.train.epochs)  # the frozen pass runs once
+        measured = measure(model, run, samples, plan, args.measure) if args.measure else ("", "")
+        name = (
+            f"{env} ({len(samples)} demonstrations, {sum(lengths):,} tokens, {frozen} of {c.num_layers} layers frozen)"
+        )
+        rows.append(WarmStartWork(name, (len(plan.frozen_pass), len(updates)), executed, alone, measured))
+        peak_times += [matmul() for _ in range(5)]
+    peak = 2 * 2048**3 / statistics.median(peak_times)
+
+    print(
+        f"{jax.devices()[0].platform}, f32 matmul peak {peak / 1e9:.0f} GFLOP/s (2048^3, median of {len(peak_times)})"
+    )
+    print()
+    header = "| warm start | stage | batches | executed TFLOP | demonstrations alone TFLOP | executed at peak | alone at peak | measured |"
+    print(header)
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for w in rows:
+        for stage, count, e, a, m in zip(
+            ("frozen layers' pass", "updates"), w.batches, w.executed, w.alone, w.measured
+        ):
+            print(
+                f"| {w.name} | {stage} | {count} | {e / 1e12:.1f} | {a / 1e12:.1f} | {e / peak:.0f} s | {a / peak:.0f} s | {m} |"
+            )
+        print(
+            f"| {w.name} | **all** | {sum(w.batches)} | {sum(w.executed) / 1e12:.1f} | {sum(w.alone) / 1e12:.1f} "
+            f"| **{sum(w.executed) / peak:.0f} s** | **{sum(w.alone) / peak:.0f} s** | |"
+        )
+
+
+if __name__ == "__main__":
+    main()
