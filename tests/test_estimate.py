@@ -9,11 +9,13 @@ import pytest
 from flax import nnx
 from helpers import tiny_model
 
-from orsd_jax.batch import StepSample, build_batch
+from benchmarks.warmstart import pass_flops, update_flops
+from orsd_jax.batch import StepSample, build_batch, tree_attention_mask
 from orsd_jax.estimate import QWEN3_1_7B, QWEN3_4B, estimate, forward_flops, param_count
 from orsd_jax.loss import LossConfig, OrsdLoss
 from orsd_jax.models import CausalLM, ModelConfig
 from orsd_jax.train_step import loss_and_grads
+from orsd_jax.warmstart import SupervisedLoss
 
 LLAMA = ModelConfig(
     "llama",
@@ -115,3 +117,38 @@ def test_layouts_and_verdicts_for_the_paper():
     e = estimate(QWEN3_4B, **shape)
     body = param_count(QWEN3_4B) - QWEN3_4B.vocab_size * QWEN3_4B.hidden_size
     assert 1.0 < e.flops / (6 * body * 64 * 3344) < 1.5
+
+
+def test_warm_start_flops_match_xla():
+    """``benchmarks.warmstart``'s counts of a packed warm-start batch against XLA's: the frozen
+    layer's forward, and an update of the trained layer on given frozen states (forward and
+    backward). Ours are matmuls only, so they sit a little below XLA's, which also counts the
+    element-wise work: a lower bound on the time, as the benchmark uses them."""
+    config = dataclasses.replace(LLAMA, num_layers=2, frozen_layers=1)  # one layer per scan: XLA counts a body once
+    graphdef, params = nnx.split(CausalLM(config, nnx.Rngs(0)))
+    rng = np.random.RandomState(0)
+    samples = [
+        StepSample(
+            prefix=rng.randint(0, 512, n).tolist(),
+            tail=[1, 2],
+            response=rng.randint(0, 512, y).tolist(),
+            old_logprobs=[0.0] * y,
+            advantage=0.0,
+        )
+        for n, y in [(200, 20), (150, 30), (90, 10), (240, 16)]
+    ]
+    batch = build_batch(
+        samples, seq_multiple=64, response_multiple=32, pack=True, row_tokens=512, rows=[[0, 1], [2, 3]], slots=2
+    )
+
+    def frozen_pass(p, b):
+        return nnx.merge(graphdef, p).frozen_states(
+            b.tokens, b.positions, mask=tree_attention_mask(b.branch, b.segment)
+        )
+
+    xla_pass = jax.jit(frozen_pass).lower(params, batch).compile().cost_analysis()["flops"]
+    with_states = dataclasses.replace(batch, frozen=np.zeros((*batch.tokens.shape, config.hidden_size), np.float32))
+    update = jax.jit(lambda p, b: loss_and_grads(SupervisedLoss(), graphdef, p, b)[0])
+    xla_update = update.lower(params, with_states).compile().cost_analysis()["flops"]
+    for ours, xla in [(pass_flops(config, 1, batch), xla_pass), (update_flops(config, 1, batch), xla_update)]:
+        assert 0.85 < ours / xla <= 1.0, (ours, xla)

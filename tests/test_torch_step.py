@@ -2,8 +2,6 @@
 model of ``test_loss``: the same loss, the same gradients per Hugging Face tensor, the same update."""
 
 import dataclasses
-import pathlib
-import sys
 
 import numpy as np
 import optax
@@ -11,15 +9,11 @@ import pytest
 from flax import nnx
 from helpers import CONFIG, LOSS, RUBRIC_ROWS, fast_jit, make_samples, tiny_model
 
+from benchmarks.torch_step import make_torch_step
 from orsd_jax.batch import build_batch
 from orsd_jax.loss import OrsdLoss
 from orsd_jax.models import CausalLM, hf_tensors
 from orsd_jax.train_step import OptimizerConfig, loss_and_grads, make_optimizer
-
-# benchmarks/ runs as ``python -m benchmarks.<name>`` from the repository root, which a bare
-# ``pytest`` (unlike ``python -m pytest``) does not put on the path.
-sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
-from benchmarks.torch_step import make_torch_step
 
 # A large learning rate, so the update is far above float32 noise; grad_clip 1 clips (the norm is 7).
 OPTIMIZER = OptimizerConfig(learning_rate=1e-2, weight_decay=0.01, grad_clip=1.0)
