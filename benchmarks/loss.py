@@ -126,10 +126,10 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def matmul_seconds() -> Callable[[], float]:
-    """A timer of one f32 2048^3 matmul (compiled): ``2 * 2048**3`` FLOPs over its median is the
-    machine's peak rate here."""
-    matrix = jnp.ones((2048, 2048), jnp.float32)
+def matmul_seconds(dtype=jnp.float32) -> Callable[[], float]:
+    """A timer of one 2048^3 matmul in ``dtype`` (compiled): ``2 * 2048**3`` FLOPs over its median
+    is the machine's peak rate here."""
+    matrix = jnp.ones((2048, 2048), dtype)
     matmul = jax.jit(lambda x: x @ x)
     matmul(matrix).block_until_ready()
     return lambda: timed(lambda: matmul(matrix))

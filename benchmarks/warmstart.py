@@ -8,7 +8,8 @@ recorded as the warm start records them and batched as ``warmstart.finetune_plan
 (``orsd_jax.estimate``) the batches execute (padding, and attention across the demonstrations
 that share a packed row, included) and the FLOPs of the demonstrations alone (each its own
 unpadded sequence: what any implementation has to compute), and both divided by the f32 matmul
-rate (2048^3) measured in the same run: a lower bound on the stage's time on this machine.
+rate (2048^3) measured in the same run: a lower bound on the stage's time on this machine. The
+bf16 matmul rate is printed beside it (bf16 compute is the lever left for the rate).
 
 ``--measure N`` also times the real steps: the frozen layers' pass over its longest batch and
 its median one, and the first ``N`` updates (on zero frozen states: the cost does not depend on
@@ -23,13 +24,14 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.loss import matmul_seconds
 from orsd_jax import chat
 from orsd_jax.batch import Batch
 from orsd_jax.config import preset
-from orsd_jax.estimate import forward_flops
+from orsd_jax.estimate import frozen_flops, trained_flops
 from orsd_jax.models import ModelConfig, load_model
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
 from orsd_jax.warmstart import (
@@ -54,36 +56,29 @@ class WarmStartWork:
     measured: tuple[str, str]
 
 
-def layers(c: ModelConfig, n: int) -> ModelConfig:
-    return dataclasses.replace(c, num_layers=n, frozen_layers=0)
-
-
-def pass_flops(c: ModelConfig, frozen: int, batch: Batch) -> float:
+def pass_flops(c: ModelConfig, batch: Batch) -> float:
     """The frozen layers' forward over ``batch``."""
-    return forward_flops(layers(c, frozen), *batch.tokens.shape, 0)
+    return frozen_flops(c, *batch.tokens.shape)
 
 
-def update_flops(c: ModelConfig, frozen: int, batch: Batch) -> float:
-    """One update: the trained layers' forward, backward (2x) and remat (1x), the LM head on the
-    response slots of each row; the frozen layers' states are read, not computed."""
+def update_flops(c: ModelConfig, batch: Batch) -> float:
+    """One update on the frozen layers' states (read, not computed): the trained layers, the LM
+    head at each row's ``k x Y`` response slots."""
     rows, t = batch.tokens.shape
-    head = batch.response.shape[0] // rows * batch.response.shape[1]
-    return (4 if c.remat else 3) * forward_flops(layers(c, c.num_layers - frozen), rows, t, head)
+    return trained_flops(c, rows, t, batch.response.shape[0] // rows * batch.response.shape[1])
 
 
-def alone_flops(c: ModelConfig, frozen: int, lengths: list[int], answers: list[int]) -> tuple[float, float]:
-    """(frozen pass, updates) FLOPs of the demonstrations, each its own unpadded row."""
-    k = 4 if c.remat else 3
-    below = sum(forward_flops(layers(c, frozen), 1, n, 0) for n in lengths)
-    above = sum(k * forward_flops(layers(c, c.num_layers - frozen), 1, n, a) for n, a in zip(lengths, answers))
-    return below, above
+def alone_flops(c: ModelConfig, lengths: list[int], answers: list[int]) -> tuple[float, float]:
+    """(frozen pass, one epoch of updates) FLOPs of the demonstrations, each its own unpadded row."""
+    below = sum(frozen_flops(c, 1, n) for n in lengths)
+    return below, sum(trained_flops(c, 1, n, a) for n, a in zip(lengths, answers))
 
 
 def measure(model, run: WarmStartRun, samples, plan, n: int) -> tuple[str, str]:
     """The frozen layers' pass over its longest and its median batch, and updates 2 to ``n + 1``
     (the first compiles), each after a compiling run: their time and rate."""
-    c, frozen = model.config, run.frozen_layers
-    optimizer = make_optimizer(run.train.optimizer, frozen_layers=frozen)
+    c = model.config
+    optimizer = make_optimizer(run.train.optimizer, frozen_layers=c.frozen_layers)
     graphdef, state, sharding = init_train_state(model, optimizer, make_mesh())
     by_length = sorted(plan.frozen_pass, key=lambda ib: ib[1].tokens.shape[1])
     seconds, flops = 0.0, 0.0
@@ -92,7 +87,7 @@ def measure(model, run: WarmStartRun, samples, plan, n: int) -> tuple[str, str]:
         start = time.perf_counter()
         frozen_states(graphdef, state.params, [chunk], len(samples))
         seconds += time.perf_counter() - start
-        flops += pass_flops(c, frozen, chunk[1])
+        flops += pass_flops(c, chunk[1])
     frozen_pass = f"{seconds:.1f} s for 2 batches, {flops / seconds / 1e9:.0f} GFLOP/s"
     step = make_train_step(SupervisedLoss(), optimizer, graphdef, sharding)
     times = []
@@ -101,7 +96,7 @@ def measure(model, run: WarmStartRun, samples, plan, n: int) -> tuple[str, str]:
         start = time.perf_counter()
         state, metrics, _ = step(state, batch, run.train.micro_batches)  # the state is donated
         jax.block_until_ready(metrics)
-        times.append((time.perf_counter() - start, update_flops(c, frozen, batch)))
+        times.append((time.perf_counter() - start, update_flops(c, batch)))
     timed_updates = times[1:]
     rate = sum(f for _, f in timed_updates) / sum(t for t, _ in timed_updates)
     median = statistics.median(t for t, _ in timed_updates)
@@ -115,8 +110,8 @@ def main() -> None:
     parser.add_argument("--measure", type=int, default=0, help="updates to time (0: FLOPs only)")
     args = parser.parse_args()
 
-    matmul = matmul_seconds()
-    peak_times = [matmul() for _ in range(5)]
+    matmul, matmul_bf16 = matmul_seconds(), matmul_seconds(jnp.bfloat16)
+    peak_times, bf16_times = [matmul() for _ in range(5)], [matmul_bf16() for _ in range(5)]
     rows = []
     for env in args.env:
         run: WarmStartRun = preset("cpu-demo", env).model.warmstart
@@ -126,25 +121,25 @@ def main() -> None:
         fmt = chat.chat_format(tokenizer)
         samples = [demo_sample(d, fmt) for d in demonstrations(run, tokenizer, fmt)]
         plan = finetune_plan(samples, run.train, devices=make_mesh().size, frozen=run.frozen_layers > 0)
-        c, frozen = model.config, run.frozen_layers
+        c = model.config
         updates = [b for epoch in plan.epochs for _, b in epoch]
         executed = (
-            sum(pass_flops(c, frozen, b) for _, b in plan.frozen_pass),
-            sum(update_flops(c, frozen, b) for b in updates),
+            sum(pass_flops(c, b) for _, b in plan.frozen_pass),
+            sum(update_flops(c, b) for b in updates),
         )
         lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
-        below, above = alone_flops(c, frozen, lengths, [len(s.response) for s in samples])
+        below, above = alone_flops(c, lengths, [len(s.response) for s in samples])
         alone = (below, above * run.train.epochs)  # the frozen pass runs once
         measured = measure(model, run, samples, plan, args.measure) if args.measure else ("", "")
-        name = (
-            f"{env} ({len(samples)} demonstrations, {sum(lengths):,} tokens, {frozen} of {c.num_layers} layers frozen)"
-        )
+        name = f"{env} ({len(samples)} demonstrations, {sum(lengths):,} tokens, {c.frozen_layers} of {c.num_layers} layers frozen)"
         rows.append(WarmStartWork(name, (len(plan.frozen_pass), len(updates)), executed, alone, measured))
         peak_times += [matmul() for _ in range(5)]
+        bf16_times += [matmul_bf16() for _ in range(5)]
     peak = 2 * 2048**3 / statistics.median(peak_times)
 
     print(
-        f"{jax.devices()[0].platform}, f32 matmul peak {peak / 1e9:.0f} GFLOP/s (2048^3, median of {len(peak_times)})"
+        f"{jax.devices()[0].platform}, f32 matmul peak {peak / 1e9:.0f} GFLOP/s (2048^3, median of {len(peak_times)}); "
+        f"bf16 {2 * 2048**3 / statistics.median(bf16_times) / 1e9:.0f} GFLOP/s, alternated with it"
     )
     print()
     header = "| warm start | stage | batches | executed TFLOP | demonstrations alone TFLOP | executed at peak | alone at peak | measured |"

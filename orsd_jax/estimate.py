@@ -90,26 +90,34 @@ def forward_flops(c: ModelConfig, rows: int, seq_len: int, head_positions: int, 
     return float(layers + attention + head)
 
 
-def train_flops(c: ModelConfig, rows: int, seq_len: int, head_positions: int) -> float:
-    """A forward with its backward (2x) and, under remat, its recomputation (1x); the frozen bottom
-    layers (``c.frozen_layers``) run forward only."""
-    frozen = dataclasses.replace(c, num_layers=c.frozen_layers, frozen_layers=0)
+def frozen_flops(c: ModelConfig, rows: int, seq_len: int) -> float:
+    """The frozen bottom layers' (``c.frozen_layers``) forward: no LM head, no backward."""
+    return forward_flops(dataclasses.replace(c, num_layers=c.frozen_layers, frozen_layers=0), rows, seq_len, 0)
+
+
+def trained_flops(c: ModelConfig, rows: int, seq_len: int, head_positions: int) -> float:
+    """The trained layers' and the LM head's forward with its backward (2x) and, under remat, its
+    recomputation (1x)."""
     trained = dataclasses.replace(c, num_layers=c.num_layers - c.frozen_layers, frozen_layers=0)
-    return forward_flops(frozen, rows, seq_len, 0) + (4 if c.remat else 3) * forward_flops(
-        trained, rows, seq_len, head_positions
-    )
+    return (4 if c.remat else 3) * forward_flops(trained, rows, seq_len, head_positions)
+
+
+def train_flops(c: ModelConfig, rows: int, seq_len: int, head_positions: int) -> float:
+    """A train step's forward and backward: the frozen layers forward only, the rest trained."""
+    return frozen_flops(c, rows, seq_len) + trained_flops(c, rows, seq_len, head_positions)
 
 
 def step_flops(c: ModelConfig, batch) -> float:
     """The dense work of one train step on ``batch`` (an ``orsd_jax.batch.Batch`` in either layout,
     its shapes only): packed rows with both LM heads, or the two-stream replay's gradient stream
-    and its forward-only with-rubric stream, which scores its whole cache (``T + U`` slots)."""
+    and its forward-only with-rubric stream, which scores its whole cache (``T + U`` slots). A row
+    of ``k`` sample slots runs the LM head at ``k`` responses' positions."""
     b, t = batch.tokens.shape
-    y = batch.response.shape[1]
+    head = batch.response.shape[0] // b * batch.response.shape[1]  # k x Y a row
     if batch.rubric_tokens is None:
-        return train_flops(c, b, t, 2 * y)
+        return train_flops(c, b, t, 2 * head)
     u = batch.rubric_tokens.shape[1]
-    return train_flops(c, b, t, y) + forward_flops(c, b, u, y, keys=t + u)
+    return train_flops(c, b, t, head) + forward_flops(c, b, u, head, keys=t + u)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -236,7 +236,7 @@ def shuffled_batches(n: int, batch_size: int, rng: random.Random) -> list[list[i
     return [order[s : s + batch_size] for s in range(0, n, batch_size)]
 
 
-def frozen_states(graphdef, params, batches: Sequence[tuple[Sequence[int], Batch]], n: int) -> list[np.ndarray]:
+def frozen_states(graphdef, params, batches: Sequence[IndexedBatch], n: int) -> list[np.ndarray]:
     """Each of the ``n`` samples' ``CausalLM.frozen_states``, ``float[T_i, D]`` (``T_i``: its tokens),
     from ``batches`` that hold every sample once (an epoch's: ``(sample indices, batch)`` pairs).
 
