@@ -1,6 +1,7 @@
 """One update's training stage with rows of one sample and rows of several (``TrainConfig.pack_rows``).
 
-Usage: python -m benchmarks.pack_rows [--samples 117] [--method grpo|orsd] [--reps 3] [--row-tokens 512,1024]
+Usage: python -m benchmarks.pack_rows [--samples 117] [--prompts N] [--method grpo|orsd] [--reps 3]
+       [--row-tokens 512,1024]
 
 The cpu-demo preset's training stage (embedded model, 26 of 30 layers frozen, minibatches of 16
 step samples, the two-stream replay) over step samples shaped like an ALFWorld update's: prompts
@@ -8,9 +9,13 @@ whose history grows from step to step (``--prompt-min`` to ``--prompt-max`` user
 uniform), responses of 16-48 tokens, and with ``--method orsd`` a rubric of 100-160 tokens on
 every sample. Rows of several samples are as long as the longest sample, or at least each of
 ``--row-tokens`` (``TrainConfig.row_tokens``); "packed layout" is one sample per row in the packed
-tree-mask layout. Each configuration runs one warm-up update (its compilations, reported apart) and
+tree-mask layout. With ``--prompts`` fewer than the samples, some samples repeat an earlier one's
+prompt (a group's episodes that took the same steps); "shared prompts" computes each prompt once
+per minibatch (``MinibatchSpec.share_prefix``, the other rows do not), and "shared, by prompt" also
+orders the samples by prompt (``TrainConfig.minibatch_order``). Each configuration runs one warm-up update (its compilations, reported apart) and
 then ``--reps`` timed updates, interleaved; the table gives medians, the padded slots the forwards
-computed and the fill (tokens / slots).
+computed, the fill (tokens / slots), and the speed-up and FLOP ratio against the first
+configuration run (``--configs`` picks some).
 """
 
 from __future__ import annotations
@@ -28,21 +33,28 @@ from orsd_jax.batch import StepSample
 from orsd_jax.config import preset
 from orsd_jax.estimate import step_flops
 from orsd_jax.loss import OrsdLoss
-from orsd_jax.minibatches import minibatch, train_minibatches
+from orsd_jax.minibatches import MinibatchSpec, epoch_orders, minibatch, train_minibatches
 from orsd_jax.models import EMBEDDED, load_model
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
 
 
 def step_samples(args, tokenizer, vocab: int) -> list[StepSample]:
+    """``args.samples`` samples of ``args.prompts`` distinct prompts (and rubrics): each sample past
+    the first ``args.prompts`` repeats the prompt of an earlier one, with a response of its own."""
     fmt = chat.chat_format(tokenizer)
     rng = np.random.RandomState(0)
-    out = []
-    for _ in range(args.samples):
+    out: list[StepSample] = []
+    for i in range(args.samples):
         y = int(rng.randint(16, 49))
+        prefix = [*fmt.head, *rng.randint(0, vocab, rng.randint(args.prompt_min, args.prompt_max + 1)).tolist()]
+        insert = rng.randint(0, vocab, rng.randint(100, 161)).tolist() if args.method == "orsd" else ()
+        if i >= (args.prompts or args.samples):
+            source = out[rng.randint(args.prompts)]
+            prefix, insert = source.prefix, source.insert
         out.append(
             StepSample(
-                prefix=[*fmt.head, *rng.randint(0, vocab, rng.randint(args.prompt_min, args.prompt_max + 1)).tolist()],
-                insert=rng.randint(0, vocab, rng.randint(100, 161)).tolist() if args.method == "orsd" else (),
+                prefix=prefix,
+                insert=insert,
                 tail=list(fmt.tail),
                 response=rng.randint(0, vocab, y).tolist(),
                 old_logprobs=(-2.0 + 0.1 * rng.randn(y)).tolist(),
@@ -52,10 +64,9 @@ def step_samples(args, tokenizer, vocab: int) -> list[StepSample]:
     return out
 
 
-def update_flops(model_config, samples: list[StepSample], order: np.ndarray, config) -> float:
+def update_flops(model_config, samples: list[StepSample], order: np.ndarray, spec: MinibatchSpec) -> float:
     """Dense FLOPs of the update's train steps (``orsd_jax.estimate.step_flops``) on the minibatches
-    ``train_minibatches`` builds for ``config``."""
-    spec = config.minibatch_spec()
+    ``train_minibatches`` builds for ``spec``."""
     starts = range(0, len(samples), spec.rows)
     return sum(
         step_flops(model_config, minibatch([samples[i] for i in order[s : s + spec.rows]], spec)) for s in starts
@@ -68,12 +79,16 @@ def main() -> None:
         "--samples", type=int, default=117, help="step samples of the update (cpu-study's 4 x 4 episodes: about 117)"
     )
     parser.add_argument("--method", choices=["grpo", "orsd"], default="grpo")
+    parser.add_argument(
+        "--prompts", type=int, help="distinct prompts among the samples (default: all distinct; ALFWorld's: 47 of 64)"
+    )
     parser.add_argument("--prompt-min", type=int, default=150)
     parser.add_argument("--prompt-max", type=int, default=600)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
         "--row-tokens", type=lambda text: [int(n) for n in text.split(",")], default=[512, 1024], help="comma list"
     )
+    parser.add_argument("--configs", nargs="+", help="the configurations to run, by their row names (default: all)")
     args = parser.parse_args()
 
     base = dataclasses.replace(preset("cpu-demo"), method=args.method).resolved()
@@ -82,38 +97,51 @@ def main() -> None:
     optimizer = make_optimizer(base.optimizer, frozen_layers=base.model.frozen_layers)
     graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(base.loss), optimizer, graphdef, sharding)
-    order = [np.random.RandomState(1).permutation(len(samples))]
+    shuffled = [np.random.RandomState(1).permutation(len(samples))]
+    spec = dataclasses.replace(base.minibatch_spec(), share_prefix=False)
     configs = {
         # The default before the two-stream replay and packed rows (931436c's).
-        "packed layout": dataclasses.replace(base, replay="packed", pack_rows=False),
-        "one per row": dataclasses.replace(base, pack_rows=False),
-        "packed rows": dataclasses.replace(base, pack_rows=True, row_tokens=0),
-        **{f"packed, >= {n}": dataclasses.replace(base, pack_rows=True, row_tokens=n) for n in args.row_tokens},
+        "packed layout": (dataclasses.replace(spec, layout="packed", pack=False), shuffled),
+        "one per row": (dataclasses.replace(spec, pack=False), shuffled),
+        "packed rows": (spec, shuffled),
+        **{f"packed, >= {n}": (dataclasses.replace(spec, row_tokens=n), shuffled) for n in args.row_tokens},
+        "shared prompts": (dataclasses.replace(spec, share_prefix=True), shuffled),
+        "shared, by prompt": (
+            dataclasses.replace(spec, share_prefix=True),
+            epoch_orders(samples, 1, np.random.default_rng(1), "by-prompt"),
+        ),
     }
+    unknown = set(args.configs or ()) - set(configs)
+    if unknown:
+        parser.error(f"unknown configurations {sorted(unknown)}; of {list(configs)}")
+    configs = {name: c for name, c in configs.items() if not args.configs or name in args.configs}
     runs = {
-        name: {"times": [], "flops": update_flops(model.config, samples, order[0], c)} for name, c in configs.items()
+        name: {"times": [], "flops": update_flops(model.config, samples, order[0], s)}
+        for name, (s, order) in configs.items()
     }
     for _ in range(1 + args.reps):
-        for name, config in configs.items():
+        for name, (spec, order) in configs.items():
             start = time.perf_counter()
-            trained = train_minibatches(step, state, samples, order, config.minibatch_spec(), record=False)
+            trained = train_minibatches(step, state, samples, order, spec, record=False)
             state = jax.block_until_ready(trained.state)
             runs[name]["times"].append(time.perf_counter() - start)
             runs[name]["counts"] = trained.counts
     print(
-        f"{args.samples} step samples ({args.method}), prompts {args.prompt_min}-{args.prompt_max} tokens, "
+        f"{args.samples} step samples ({args.method}) of {args.prompts or args.samples} prompts, "
+        f"{args.prompt_min}-{args.prompt_max} tokens, "
         f"{jax.device_count()} device(s), medians of {args.reps}"
     )
     print(
         f"{'rows':<20}{'first (compiles)':>18}{'update':>10}{'slots':>10}{'fill':>7}{'TFLOP':>8}{'speed-up':>10}"
         f"{'FLOP ratio':>12}"
     )
-    one = statistics.median(runs["one per row"]["times"][1:])
+    first = next(iter(runs.values()))  # the speed-up's and FLOP ratio's baseline
+    one = statistics.median(first["times"][1:])
     for name, run in runs.items():
         c, median = run["counts"], statistics.median(run["times"][1:])
         print(
             f"{name:<20}{run['times'][0]:>17.1f}s{median:>9.1f}s{c['row_slots']:>10}{c['row_tokens'] / c['row_slots']:>7.0%}"
-            f"{run['flops'] / 1e12:>8.2f}{one / median:>9.2f}x{runs['one per row']['flops'] / run['flops']:>11.2f}x"
+            f"{run['flops'] / 1e12:>8.2f}{one / median:>9.2f}x{first['flops'] / run['flops']:>11.2f}x"
         )
 
 

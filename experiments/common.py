@@ -87,6 +87,11 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--replay", choices=LAYOUTS, help="the replay's batch layout (default: two-stream, the fastest)")
     p.add_argument(
+        "--minibatch-order",
+        choices=["shuffled", "by-prompt"],
+        help="shuffled samples, or each prompt's samples together so they share its forward (default: shuffled)",
+    )
+    p.add_argument(
         "--old-logprobs", choices=["sampler", "trainer"], help="the PPO ratio's old log-probs (paper presets: trainer)"
     )
     p.add_argument(
@@ -176,6 +181,7 @@ def config_from_args(env: str, args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         strict=args.strict,
         replay=args.replay,
+        minibatch_order=args.minibatch_order,
         old_logprobs=args.old_logprobs,
     )
     c = set_(

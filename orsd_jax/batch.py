@@ -33,6 +33,19 @@ short and long prompts waste fewer padding slots. Per-sample arrays then have ``
 slots, row-major (slot ``b`` is in row ``b // k``), and ``sample`` names the input sample in
 each.
 
+With ``share_prefix`` the samples of one prefix (a group's episodes at a state they reached by the
+same steps: an ALFWorld update's 64 samples held 47 distinct prompts, a WebShop update's 30 held
+13) are one segment: the prefix once, then each sample's branches, member ``q``'s numbered
+``WITH + 2 q`` and ``WITHOUT + 2 q``, so that each attends to the prefix and to itself only::
+
+    tokens          prefix | tail response_0 | tail response_1 | ...   (the without-rubric stream)
+    branch          0 ...  | 2 ...           | 4 ...           |
+    rubric_tokens   insert tail | response_0 | response_1 | ...           (two-stream)
+    rubric_branch   0 ...       | 1 ...      | 3 ...      |
+
+Its samples then share the insert and tail as well (a group's rubric): the two-stream layout's
+with-rubric stream holds ``[insert tail]`` once.
+
 Shapes, as the ``jaxtyping`` annotations here, in ``orsd_jax.loss`` and ``orsd_jax.models.decoder``
 name them (annotations only: nothing checks them at run time)::
 
@@ -112,7 +125,7 @@ class Batch:
     tokens: Int32[np.ndarray | jax.Array, "R T"]
     positions: Int32[np.ndarray | jax.Array, "R T"]
     branch: Int32[np.ndarray | jax.Array, "R T"]  # SHARED, WITH, WITHOUT or PAD
-    segment: Int32[np.ndarray | jax.Array, "R T"]  # the token's sample slot in its row, PAD for padding
+    segment: Int32[np.ndarray | jax.Array, "R T"]  # the token's segment in its row, PAD for padding
     sample: Int32[np.ndarray | jax.Array, " B"]  # the input sample in each slot, -1 for an empty one
     response: Int32[np.ndarray | jax.Array, "B Y"]  # the response tokens
     # Index in the slot's row whose output predicts response[:, j] with the rubric (two-stream: in rubric_tokens).
@@ -129,7 +142,8 @@ class Batch:
     # The two-stream layout's with-rubric stream (None: the packed layout, or no sample has a rubric).
     rubric_tokens: Int32[np.ndarray | jax.Array, "R U"] | None = None
     rubric_positions: Int32[np.ndarray | jax.Array, "R U"] | None = None
-    rubric_branch: Int32[np.ndarray | jax.Array, "R U"] | None = None  # WITH or PAD
+    # SHARED for a segment's [insert tail], its sample's WITH branch for its response, or PAD.
+    rubric_branch: Int32[np.ndarray | jax.Array, "R U"] | None = None
     rubric_segment: Int32[np.ndarray | jax.Array, "R U"] | None = None  # as ``segment``
 
     @property
@@ -167,54 +181,76 @@ def _check(i: int, s: StepSample) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Segment:
-    """One sample's tokens in a row (and, two-stream, in the with-rubric stream's row); indices
-    are relative to the segment's start."""
+    """The samples of one prefix in a row (one sample unless ``share_prefix``), and in the
+    two-stream layout in the with-rubric stream's row; indices are relative to the segment's start
+    in the row (``with_index`` of the two-stream layout: in the stream). Member ``q`` of the segment
+    has the branch ids ``WITH + 2 q`` and ``WITHOUT + 2 q``."""
 
     tokens: list[int]
     positions: list[int]
     branch: list[int]
-    without_index: list[int]  # the predicting index of each response token, without the rubric
-    with_index: list[int]  # the same with the rubric: in ``rubric`` (two-stream) or in ``tokens``
-    rubric: list[int] = dataclasses.field(default_factory=list)  # two-stream: [insert tail response]
+    without_index: list[list[int]]  # per member, the predicting index of each response token, without the rubric
+    with_index: list[list[int]]  # the same with the rubric: in ``rubric`` (two-stream) or in ``tokens``
+    rubric: list[int] = dataclasses.field(default_factory=list)  # two-stream: [insert tail response] per member
     rubric_positions: list[int] = dataclasses.field(default_factory=list)
+    rubric_branch: list[int] = dataclasses.field(default_factory=list)
 
 
-def _two_streams(s: StepSample) -> _Segment:
-    """The two-stream layout of one sample (the with-rubric stream empty without a rubric)."""
-    p, r, st, y = len(s.prefix), len(s.insert), len(s.tail), len(s.response)
-    tokens = [*s.prefix, *s.tail, *s.response]
-    branch = [SHARED] * p + [WITHOUT] * (st + y)
-    without_index = [p + st + j - 1 for j in range(y)]
-    if not r:  # read from the without-rubric stream, as the packed layout does (and then ignored)
-        return _Segment(tokens, list(range(len(tokens))), branch, without_index, without_index)
-    rubric = [*s.insert, *s.tail, *s.response]
-    with_index = [r + st + j - 1 for j in range(y)]
-    return _Segment(
-        tokens, list(range(len(tokens))), branch, without_index, with_index, rubric, list(range(p, p + len(rubric)))
-    )
+def _segment(members: Sequence[StepSample], two_stream: bool) -> _Segment:
+    """One prefix and its members' branches (the members share their insert and tail too): the
+    without-rubric branch ``[tail response]`` of each, and with a rubric the with-rubric one: in the
+    row after the prefix ``[insert tail response]`` (packed), or in the with-rubric stream
+    ``[insert tail]`` once and then each member's ``[response]`` (``two_stream``). Members without
+    a rubric read their with-rubric log-probs from their without-rubric branch (the loss ignores
+    them)."""
+    prefix = members[0].prefix
+    p = len(prefix)
+    tokens, positions, branch = [*prefix], list(range(p)), [SHARED] * p
+    rubric: list[int] = []
+    rubric_positions: list[int] = []
+    rubric_branch: list[int] = []
+    without_index, with_index = [], []
+
+    def place(part: list[int], branch_id: int) -> list[int]:
+        """Appends ``part`` after the prefix in the row: its sequence's indices in the row."""
+        start = len(tokens)
+        tokens.extend(part)
+        positions.extend(range(p, p + len(part)))
+        branch.extend([branch_id] * len(part))
+        return [*range(p), *range(start, start + len(part))]
+
+    r, st = len(members[0].insert), len(members[0].tail)  # the same in every member (_prefix_groups)
+    if r and two_stream:  # the stream starts with the members' [insert tail], seen by each response
+        rubric += [*members[0].insert, *members[0].tail]
+        rubric_positions += range(p, p + r + st)
+        rubric_branch += [SHARED] * (r + st)
+    for q, s in enumerate(members):
+        y = len(s.response)
+        # Response token j sits at sequence index (prompt length + j) and is predicted by the one before.
+        with_seq = None
+        if r and two_stream:
+            start = len(rubric)
+            rubric += s.response
+            rubric_positions += range(p + r + st, p + r + st + y)
+            rubric_branch += [WITH + 2 * q] * y
+            with_seq = [-1] * p + list(range(r + st)) + list(range(start, start + y))  # the prefix is in the row
+        elif r:
+            with_seq = place([*s.insert, *s.tail, *s.response], WITH + 2 * q)
+        without_seq = place([*s.tail, *s.response], WITHOUT + 2 * q)
+        without_index.append([without_seq[p + st + j - 1] for j in range(y)])
+        with_index.append([with_seq[p + r + st + j - 1] for j in range(y)] if with_seq else without_index[-1])
+    return _Segment(tokens, positions, branch, without_index, with_index, rubric, rubric_positions, rubric_branch)
 
 
-def _pack(s: StepSample) -> _Segment:
-    """The packed layout of one sample: both branches in one segment."""
-    p, r, st, y = len(s.prefix), len(s.insert), len(s.tail), len(s.response)
-    tokens = [*s.prefix]
-    positions = list(range(p))
-    branch = [SHARED] * p
-    with_rows: list[int] = []
-    if r:
-        tokens += [*s.insert, *s.tail, *s.response]
-        positions += range(p, p + r + st + y)
-        branch += [WITH] * (r + st + y)
-        with_rows = list(range(p + r + st + y))  # the with-rubric sequence, index by index
-    start = len(tokens)
-    tokens += [*s.tail, *s.response]
-    positions += range(p, p + st + y)
-    branch += [WITHOUT] * (st + y)
-    without_rows = [*range(p), *range(start, start + st + y)]
-    # Response token j sits at sequence index (prompt length + j) and is predicted by the one before.
-    without_index = [without_rows[p + st + j - 1] for j in range(y)]
-    with_index = [with_rows[p + r + st + j - 1] for j in range(y)] if r else without_index
-    return _Segment(tokens, positions, branch, without_index, with_index)
+def _prefix_groups(samples: Sequence[StepSample], share: bool) -> list[list[int]]:
+    """The samples of each segment: those with the same prompt (prefix, insert and tail) together
+    (``share``), in order of first appearance, or each alone."""
+    if not share:
+        return [[i] for i in range(len(samples))]
+    groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault((tuple(s.prefix), tuple(s.insert), tuple(s.tail)), []).append(i)
+    return list(groups.values())
 
 
 def _rows(segments: Sequence[_Segment], t: int, u: int, pack: bool) -> list[list[int]]:
@@ -248,6 +284,7 @@ def build_batch(
     row_tokens: int = 0,
     rows: Sequence[Sequence[int]] | None = None,
     slots: int = 1,
+    share_prefix: bool = False,
 ) -> Batch:
     """Packs step samples into a ``Batch`` of numpy arrays in ``layout`` (``LAYOUTS``, see the
     module docstring).
@@ -262,6 +299,10 @@ def build_batch(
     (to make the row count a multiple of ``batch_multiple``, e.g. devices x micro-batches) and empty
     slots have no tokens and no response mask, so they add nothing to any loss or count. Reference
     and sampler log-probs are kept when every sample has them and dropped (``None``) when none has.
+
+    ``share_prefix``: samples with the same prefix (a group's episodes that took the same steps so
+    far) are one segment, the prefix computed once and each sample a branch of its own after it,
+    as the with- and without-rubric branches of one sample are; the loss is unchanged (tested).
     """
     if not samples:
         raise ValueError("no step samples")
@@ -274,7 +315,10 @@ def build_batch(
             raise ValueError(f"{name} must be given for every sample or for none")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
-    segments = [(_two_streams if layout == "two-stream" else _pack)(s) for s in samples]
+    if rows is not None and share_prefix:
+        raise ValueError("rows name samples one segment each: they do not go with share_prefix")
+    groups = _prefix_groups(samples, share_prefix)
+    segments = [_segment([samples[i] for i in g], layout == "two-stream") for g in groups]
     # Without any rubric the two layouts are one: no with-rubric stream is built or run.
     two_stream = any(g.rubric for g in segments)
     floor = row_tokens if pack else 0
@@ -289,7 +333,7 @@ def build_batch(
         if any(sum(len(segments[i].tokens) for i in row) > t for row in members):
             raise ValueError(f"a row holds more than its {t} tokens")
     r = _round_up(len(members), batch_multiple)
-    k = max(slots, *(len(m) for m in members))
+    k = max(slots, *(sum(len(groups[g]) for g in m) for m in members))
     b = r * k
     y = _round_up(max(len(s.response) for s in samples), response_multiple)
 
@@ -311,28 +355,31 @@ def build_batch(
     logps = {name: np.zeros((b, y), np.float32) for name in ("old_logprobs", *optional)}
     advantage = np.zeros((b,), np.float32)
     has_rubric = np.zeros((b,), bool)
-    for row, indices in enumerate(members):
-        at, at_rubric = 0, 0  # where the next segment starts in the row and in its with-rubric stream
-        for slot, i in enumerate(indices):
-            s, g, n = samples[i], segments[i], len(segments[i].tokens)
-            tokens[row, at : at + n], positions[row, at : at + n], branch[row, at : at + n] = (
+    for row, in_row in enumerate(members):
+        at, at_rubric, j = 0, 0, row * k  # where the next segment starts in the row and in its stream; the next slot
+        for seg, gi in enumerate(in_row):
+            g, n = segments[gi], len(segments[gi].tokens)
+            span = slice(at, at + n)
+            tokens[row, span], positions[row, span], branch[row, span], segment[row, span] = (
                 g.tokens,
                 g.positions,
                 g.branch,
+                seg,
             )
-            segment[row, at : at + n] = slot
-            j, m = row * k + slot, len(s.response)
-            sample[j], response[j, :m], mask[j, :m] = i, s.response, 1.0
-            without_index[j, :m] = np.asarray(g.without_index) + at
-            with_index[j, :m] = np.asarray(g.with_index) + (at_rubric if two_stream else at)
-            for name, values in logps.items():
-                if getattr(s, name) is not None:
-                    values[j, :m] = getattr(s, name)
-            advantage[j], has_rubric[j] = s.advantage, bool(s.insert)
             if g.rubric:
                 span = slice(at_rubric, at_rubric + len(g.rubric))
                 rubric["rubric_tokens"][row, span], rubric["rubric_positions"][row, span] = g.rubric, g.rubric_positions
-                rubric["rubric_branch"][row, span], rubric["rubric_segment"][row, span] = WITH, slot
+                rubric["rubric_branch"][row, span], rubric["rubric_segment"][row, span] = g.rubric_branch, seg
+            for q, i in enumerate(groups[gi]):
+                s, m = samples[i], len(samples[i].response)
+                sample[j], response[j, :m], mask[j, :m] = i, s.response, 1.0
+                without_index[j, :m] = np.asarray(g.without_index[q]) + at
+                with_index[j, :m] = np.asarray(g.with_index[q]) + (at_rubric if two_stream else at)
+                for name, values in logps.items():
+                    if getattr(s, name) is not None:
+                        values[j, :m] = getattr(s, name)
+                advantage[j], has_rubric[j] = s.advantage, bool(s.insert)
+                j += 1
             at, at_rubric = at + n, at_rubric + len(g.rubric)
     return Batch(
         **(rubric if two_stream else {}),
@@ -372,12 +419,15 @@ def tree_attention_mask(
 def rubric_attention_mask(batch: Batch) -> Bool[jax.Array, "R U T+U"]:
     """What the with-rubric stream's tokens see of a cache holding the row's
     keys in slots ``[0, T)`` and the stream's own in ``[T, T + U)``: their sample's prefix, and
-    their own earlier stream tokens. Padding tokens see nothing."""
-    if batch.rubric_tokens is None or batch.rubric_segment is None:
+    their own earlier stream tokens: their segment's ``[insert tail]`` and their own response.
+    Padding tokens see nothing."""
+    if batch.rubric_tokens is None or batch.rubric_segment is None or batch.rubric_branch is None:
         raise ValueError("rubric_attention_mask needs a batch with a with-rubric stream (the two-stream layout)")
     u = batch.rubric_tokens.shape[1]
     query = batch.rubric_segment[:, :, None]
     prefix = (batch.branch == SHARED)[:, None, :] & (batch.segment[:, None, :] == query)
     causal = jnp.arange(u)[:, None] >= jnp.arange(u)[None, :]
-    own = causal[None] & (batch.rubric_segment[:, None, :] == query)
+    key = batch.rubric_branch[:, None, :]
+    tree = (key == SHARED) | (key == batch.rubric_branch[:, :, None])
+    own = causal[None] & (batch.rubric_segment[:, None, :] == query) & tree
     return jnp.concatenate([prefix, own], axis=2) & (query != PAD)

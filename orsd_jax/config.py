@@ -125,6 +125,10 @@ class TrainConfig:
     # differ by 0.02 on average in bfloat16 (docs/benchmarks.md, "Sampler and trainer log-probs").
     old_logprobs: str = "sampler"
     ppo_epochs: int = 1  # passes over an update's step samples (verl-agent: 1)
+    # How an epoch orders the step samples before cutting minibatches: "shuffled" (a permutation), or
+    # "by-prompt" (the distinct prompts shuffled, each with all its samples, so that samples of one
+    # prompt share a minibatch and the forward over the prompt; docs/benchmarks.md, "Shared prompts").
+    minibatch_order: str = "shuffled"
     micro_batches: int = 1
     devices: int | None = None  # mesh size (None: every device)
     fsdp: bool = False
@@ -164,6 +168,8 @@ class TrainConfig:
             raise ValueError(
                 "loss.tis_cap weighs the trainer's old log-probs against the sampler's: set old_logprobs='trainer'"
             )
+        if self.minibatch_order not in ("shuffled", "by-prompt"):
+            raise ValueError(f"minibatch_order must be 'shuffled' or 'by-prompt', got {self.minibatch_order!r}")
         if self.ppo_epochs < 1:
             raise ValueError(f"ppo_epochs must be at least 1, got {self.ppo_epochs}")
         if self.group_size < 2:
@@ -328,6 +334,9 @@ def _cpu_demo(env: str) -> TrainConfig:
         advantage=AdvantageConfig(invalid="admissible"),
         optimizer=OptimizerConfig(learning_rate=2e-5, weight_decay=0.0),
         minibatch_rows=16,
+        # A group's episodes often repeat each other's first steps (an update's 64 samples: 47 prompts);
+        # each prompt's samples in one minibatch share its forward (docs/benchmarks.md, "Shared prompts").
+        minibatch_order="by-prompt",
         credit_every=1,  # two updates: keep both updates' rubrics and credit (about 50 KB each)
         eval_games=16,
         eval_temperature=0.4,

@@ -28,6 +28,8 @@ class MinibatchSpec:
     row_tokens: int = 0  # packed rows at least this long (0: the longest sample)
     row_multiple: int = 1  # packed rows come in multiples of devices x micro-batches
     micro_batches: int = 1
+    # Samples of one prompt in a minibatch share its forward (batch.build_batch): the same loss.
+    share_prefix: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +61,31 @@ def minibatch(samples: Sequence[StepSample], spec: MinibatchSpec) -> Batch:
             layout=spec.layout,
             pack=True,
             row_tokens=spec.row_tokens,
+            share_prefix=spec.share_prefix,
         )
-    return build_batch(samples, seq_multiple=128, response_multiple=32, batch_multiple=spec.rows, layout=spec.layout)
+    return build_batch(
+        samples,
+        seq_multiple=128,
+        response_multiple=32,
+        batch_multiple=spec.rows,
+        layout=spec.layout,
+        share_prefix=spec.share_prefix,
+    )
+
+
+def epoch_orders(samples: Sequence[StepSample], epochs: int, rng: np.random.Generator, order: str) -> list[np.ndarray]:
+    """The order of the samples in each PPO epoch (``TrainConfig.minibatch_order``): a permutation,
+    or (``by-prompt``) the distinct prompts in a random order, each followed by all its samples, so
+    that the samples of one prompt share a minibatch and its forward."""
+    if order == "shuffled":
+        return [rng.permutation(len(samples)) for _ in range(epochs)]
+    if order != "by-prompt":
+        raise ValueError(f"unknown minibatch order {order!r}; 'shuffled' or 'by-prompt'")
+    prompts: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        prompts.setdefault(tuple(s.prefix), []).append(i)
+    groups = list(prompts.values())
+    return [np.asarray([i for g in rng.permutation(len(groups)) for i in groups[g]]) for _ in range(epochs)]
 
 
 def train_minibatches(

@@ -31,7 +31,7 @@ from orsd_jax.checkpoints import refused_writes
 from orsd_jax.config import TrainConfig, from_json, to_json
 from orsd_jax.credit import RecordedMinibatch, save_credit
 from orsd_jax.metrics_log import MetricsLog, progress, timed
-from orsd_jax.minibatches import train_minibatches, with_trainer_logprobs
+from orsd_jax.minibatches import epoch_orders, train_minibatches, with_trainer_logprobs
 from orsd_jax.models import CausalLM, save_hf
 from orsd_jax.rollout import Group, collect_groups, rollout_metrics, tasks_for_update
 from orsd_jax.rubrics import GroupRubric, ParsedBundle, generate_bundles, rubric_metrics, verify_and_select
@@ -212,7 +212,7 @@ def run_update(
         if played is None:
             played = Played((), (), None, tuple(samples), (), memory)
         rng = seeds.rng(c.seed, seeds.MINIBATCHES, update)
-        orders = [rng.permutation(len(samples)) for _ in range(c.ppo_epochs)]
+        orders = epoch_orders(samples, c.ppo_epochs, rng, c.minibatch_order)
         spec = services.minibatch_spec
         with timed(metrics, "train"):
             if c.old_logprobs == "trainer":
@@ -228,6 +228,8 @@ def run_update(
         metrics["train/row_tokens"] = counts["row_tokens"]
         metrics["train/row_fill"] = counts["row_tokens"] / counts["row_slots"]
         metrics["train/step_samples"] = float(len(samples))
+        # Samples of one prompt share its forward when they share a minibatch (MinibatchSpec.share_prefix).
+        metrics["train/prompts"] = float(len({(tuple(s.prefix), tuple(s.insert)) for s in samples}))
         metrics["train/tokens_per_s"] = counts["tokens"] / metrics["time/train"]
         metrics["train/row_tokens_per_s"] = counts["row_tokens"] / metrics["time/train"]
         policy = services.policy(trained.state)

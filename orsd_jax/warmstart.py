@@ -260,7 +260,7 @@ def frozen_states(graphdef, params, batches: Sequence[IndexedBatch], n: int) -> 
 
 def _segments(batch: Batch) -> list[tuple[int, np.ndarray]]:
     """Per input sample of ``batch``, in input order: its row and the positions of its tokens there."""
-    segment, slots = np.asarray(batch.segment), np.asarray(batch.sample)
+    segment, slots = np.asarray(batch.segment), np.asarray(batch.sample)  # one sample a segment: no share_prefix
     k = len(slots) // len(segment)
     return [(int(j // k), np.flatnonzero(segment[j // k] == j % k)) for j in batch.sample_slots()]
 

@@ -79,14 +79,18 @@ def sequence_logprobs(graphdef, params, sequences, prompt_lengths, width, length
     return logp[rows, cols], entropy[rows, cols]
 
 
-def make_samples(rubric_rows, seed=0):
-    """Step samples of random lengths with old/ref log-probs near the model's own (so some ratios clip)."""
+def make_samples(rubric_rows, seed=0, prompt_of=None):
+    """Step samples of random lengths with old/ref log-probs near the model's own (so some ratios
+    clip); sample ``i`` takes the prompt (prefix, insert, tail) of sample ``prompt_of[i]`` where
+    that is an earlier one."""
     rng = np.random.RandomState(seed)
     parts = []
-    for has in rubric_rows:
+    for i, has in enumerate(rubric_rows):
         prefix = rng.randint(0, 96, rng.randint(3, 12)).tolist()
         insert = rng.randint(0, 96, rng.randint(2, 7)).tolist() if has else []
         tail = rng.randint(0, 96, rng.randint(1, 4)).tolist()
+        if prompt_of is not None and prompt_of[i] < i:
+            prefix, insert, tail = parts[prompt_of[i]][:3]
         parts.append((prefix, insert, tail, rng.randint(0, 96, rng.randint(2, 9)).tolist()))
     graphdef, params = tiny_model()
     width = max(len(p[3]) for p in parts)
@@ -112,6 +116,9 @@ def make_samples(rubric_rows, seed=0):
 
 
 RUBRIC_ROWS = (True, False, True, True, False)  # mixed: samples of groups with and without a rubric
+# Samples 0, 2, 3 (with a rubric) of one prompt and 1, 4 (without) of another: a group's episodes
+# that reached one state by the same steps.
+SHARED_PROMPTS = (0, 1, 0, 0, 1)
 
 
 def max_tree_diff(a, b) -> float:

@@ -13,6 +13,7 @@ from helpers import (
     CONFIG,
     LOSS,
     RUBRIC_ROWS,
+    SHARED_PROMPTS,
     assert_trees_close,
     fast_jit,
     make_samples,
@@ -199,10 +200,11 @@ def test_correction_and_gap_metrics_by_hand():
 
 
 @functools.cache
-def reference_case():
-    """Samples, and the value and gradient of the ORSD objective written independently: two plain
-    forwards per sample, the with-rubric log-probs computed once as constants, a token mean."""
-    samples = make_samples(RUBRIC_ROWS)
+def reference_case(shared: bool = False):
+    """Samples (``shared``: several of one prefix), and the value and gradient of the ORSD objective
+    written independently: two plain forwards per sample, the with-rubric log-probs computed once
+    as constants, a token mean."""
+    samples = make_samples(RUBRIC_ROWS, prompt_of=SHARED_PROMPTS if shared else None)
     graphdef, params = tiny_model()
     width = max(len(s.response) for s in samples)
     pad = lambda rows: jnp.asarray([list(r) + [0.0] * (width - len(r)) for r in rows], jnp.float32)  # noqa: E731
@@ -273,6 +275,57 @@ def test_rows_of_several_samples_equal_two_forwards(layout):
     assert_trees_close(grads, expected_grads)
 
 
+@pytest.mark.parametrize("layout, pack", [("packed", False), ("two-stream", False), ("two-stream", True)])
+def test_shared_prefixes_equal_two_forwards(layout, pack):
+    """``share_prefix``: the samples of one prefix (with and without a rubric) are branches of one
+    segment; the loss and gradients are the independent objective's."""
+    samples, reference = reference_case(shared=True)
+    batch = build_batch(samples, seq_multiple=16, response_multiple=4, layout=layout, pack=pack, share_prefix=True)
+    rows, segments = np.nonzero(np.asarray(batch.segment) >= 0)[0], np.asarray(batch.segment)[batch.segment >= 0]
+    assert len(set(zip(rows, segments))) == 2  # samples 0, 2, 3 in one; 1, 4 in another
+    assert (np.asarray(batch.branch) == SHARED).sum() == len(samples[0].prefix) + len(samples[1].prefix)
+    loss, grads = packed_value_and_grad(batch, LOSS)
+    expected_loss, expected_grads = reference(tiny_model()[1], LOSS.coef)
+    np.testing.assert_allclose(float(loss), float(expected_loss), atol=1e-5, rtol=0)
+    assert_trees_close(grads, expected_grads)
+
+
+def test_shared_prefix_by_hand():
+    """Two samples of one prompt, two-stream: the prefix once, each sample's without-rubric branch
+    numbered ``WITHOUT + 2 q``; in the with-rubric stream their ``[insert tail]`` once, each
+    response a branch ``WITH + 2 q``; each token sees the shared parts and its own branch."""
+    a, b = (
+        StepSample(
+            prefix=[1, 2],
+            insert=[9, 8],
+            tail=[3],
+            response=[4 + 2 * q, 5 + 2 * q],
+            old_logprobs=[-1.0] * 2,
+            advantage=q,
+        )
+        for q in range(2)
+    )
+    batch = build_batch([a, b], seq_multiple=8, response_multiple=2, layout="two-stream", share_prefix=True)
+    np.testing.assert_array_equal(batch.tokens, [[1, 2, 3, 4, 5, 3, 6, 7]])
+    np.testing.assert_array_equal(batch.positions, [[0, 1, 2, 3, 4, 2, 3, 4]])
+    np.testing.assert_array_equal(batch.branch, [[SHARED] * 2 + [WITHOUT] * 3 + [WITHOUT + 2] * 3])
+    np.testing.assert_array_equal(batch.segment, [[0] * 8])
+    np.testing.assert_array_equal(batch.sample, [0, 1])
+    np.testing.assert_array_equal(batch.without_index, [[2, 3], [5, 6]])  # 6 follows the second tail
+    np.testing.assert_array_equal(batch.rubric_tokens, [[9, 8, 3, 4, 5, 6, 7, 0]])
+    np.testing.assert_array_equal(batch.rubric_positions, [[2, 3, 4, 5, 6, 5, 6, 0]])
+    np.testing.assert_array_equal(batch.rubric_branch, [[SHARED] * 3 + [WITH] * 2 + [WITH + 2] * 2 + [PAD]])
+    np.testing.assert_array_equal(batch.with_index, [[2, 3], [2, 5]])  # 4 and 6 both follow the tail
+    mask = np.asarray(tree_attention_mask(jnp.asarray(batch.branch), jnp.asarray(batch.segment)))[0].astype(int)
+    assert mask[6].tolist() == [1, 1, 0, 0, 0, 1, 1, 0]  # the second response: the prefix and its own branch
+    seen = np.asarray(rubric_attention_mask(batch))[0].astype(int)
+    assert seen[6].tolist() == [1, 1] + [0] * 6 + [1, 1, 1, 0, 0, 1, 1, 0]  # prefix, [insert tail], itself
+    assert batch.token_counts() == (8 + 7, 8 + 8)
+    # Without sharing, the same samples: two segments in two rows.
+    alone = build_batch([a, b], seq_multiple=8, response_multiple=2, layout="two-stream")
+    assert alone.tokens.shape[0] == 2 and alone.token_counts()[0] == 10 + 10
+
+
 def test_row_tokens_let_long_samples_share_a_row():
     samples = [
         StepSample(prefix=[1, 2, 3], insert=[7] * k, tail=[4], response=[5], old_logprobs=[-1.0], advantage=1.0)
@@ -319,17 +372,17 @@ def test_packed_rows_by_hand():
     assert seen[1].tolist() == [0, 0, 0, 1, 0, 0, 0, 0] + [1, 1, 0, 0, 0, 0, 0, 0]  # its prefix (slot 3) and itself
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_frozen_bottom_layers_equal_two_forwards(layout):
+@pytest.mark.parametrize("layout, shared", [("packed", False), ("two-stream", False), ("two-stream", True)])
+def test_frozen_bottom_layers_equal_two_forwards(layout, shared):
     """With the embedding and the first layer frozen (``ModelConfig.frozen_layers``, as cpu-demo),
     the loss is the independent objective's and the trained parameters' gradients are its
     gradients; the frozen ones get none."""
-    samples, reference = reference_case()
+    samples, reference = reference_case(shared)
     graphdef, params = tiny_model()
     frozen_graphdef, _ = nnx.split(
         nnx.eval_shape(lambda: CausalLM(dataclasses.replace(CONFIG, frozen_layers=1), nnx.Rngs(0)))
     )
-    batch = build_batch(samples, seq_multiple=16, response_multiple=4, layout=layout)
+    batch = build_batch(samples, seq_multiple=16, response_multiple=4, layout=layout, share_prefix=shared)
 
     def f(p):
         loss_sum, count, _, _ = OrsdLoss(LOSS)(nnx.merge(frozen_graphdef, p), batch)
@@ -365,7 +418,7 @@ def test_two_stream_layout_by_hand():
     # The with-rubric stream continues the prefix at position 2.
     np.testing.assert_array_equal(b.rubric_tokens[0], [21, 22, 23, 31, 41, 42, 0, 0])
     np.testing.assert_array_equal(b.rubric_positions[0], [2, 3, 4, 5, 6, 7, 0, 0])
-    np.testing.assert_array_equal(b.rubric_branch[0], [1] * 6 + [-1] * 2)
+    np.testing.assert_array_equal(b.rubric_branch[0], [SHARED] * 4 + [WITH] * 2 + [PAD] * 2)  # [insert tail], response
     np.testing.assert_array_equal(b.rubric_segment[0], [0] * 6 + [-1] * 2)
     np.testing.assert_array_equal(b.sample, [0, 1, -1, -1])
     # It sees its prefix (cache slots 0-1) and itself (slots 8 + its index), causally.

@@ -1,5 +1,5 @@
-"""The train step: exact micro-batching, the optimizer, FSDP specs, and (in a 4-device subprocess) the
-sharded step against the single-device one."""
+"""The train step: exact micro-batching, the optimizer, FSDP specs, (in a 4-device subprocess) the
+sharded step against the single-device one, and the epochs' minibatch orders."""
 
 import functools
 import json
@@ -17,8 +17,10 @@ from helpers import LOSS, assert_trees_close, fast_jit, make_samples, tiny_model
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from orsd_jax import seeds
 from orsd_jax.batch import build_batch
 from orsd_jax.loss import OrsdLoss
+from orsd_jax.minibatches import epoch_orders
 from orsd_jax.train_step import OptimizerConfig, fsdp_spec, loss_and_grads, make_mesh, make_optimizer
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -136,3 +138,22 @@ def test_frozen_layers_stay_put():
             np.testing.assert_array_equal(moved, old)
         else:
             assert np.all(moved != old), name
+
+
+def test_by_prompt_order_keeps_a_prompts_samples_together():
+    """``minibatch_order``: ``shuffled`` is the plain permutation; ``by-prompt`` holds every sample
+    once per epoch, each prompt's samples next to each other, the prompts in a seeded random order."""
+    samples = make_samples((True,) * 9, prompt_of=(0, 1, 0, 3, 1, 0, 6, 7, 3))
+    generator = seeds.rng(0, 1)
+    expected = [generator.permutation(9) for _ in range(2)]
+    for got, want in zip(epoch_orders(samples, 2, seeds.rng(0, 1), "shuffled"), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    orders = [epoch_orders(samples, 3, seeds.rng(seed), "by-prompt") for seed in range(4)]
+    for order in (o for epochs in orders for o in epochs):
+        assert sorted(order) == list(range(9))
+        prompts = [tuple(samples[i].prefix) for i in order]
+        runs = [p for k, p in enumerate(prompts) if k == 0 or p != prompts[k - 1]]
+        assert len(runs) == len(set(prompts)) == 5  # one run of each prompt
+    assert len({tuple(o) for epochs in orders for o in epochs}) > 1  # the prompts' order is shuffled
+    with pytest.raises(ValueError, match="minibatch order"):
+        epoch_orders(samples, 1, seeds.rng(0), "sorted")

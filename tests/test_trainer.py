@@ -52,6 +52,7 @@ def test_orsd_logs_the_rubric_stage_and_gap(reference):
         assert r["rubric/groups_with_rubric"] + sum(v for k, v in r.items() if k.startswith("rubric/no_rubric/")) == 2
         assert {"loss/gap_mean", "loss/gap_std", "loss/gap_clip_frac", "loss/gap_adv_corr"} <= set(r)
         assert r["train/step_samples"] == r["rollout/env_steps"]
+        assert r["train/prompts"] <= r["train/step_samples"] - 2  # each group's 2 episodes share their first prompt
     # The KL to the initial policy: zero while the policy is the reference (update 1's one step),
     # positive once the policy has moved.
     assert records[0]["loss/ref_kl"] == 0.0 and all(r["loss/ref_kl"] > 0 for r in records[1:4])
