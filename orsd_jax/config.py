@@ -334,9 +334,6 @@ def _cpu_demo(env: str) -> TrainConfig:
         advantage=AdvantageConfig(invalid="admissible"),
         optimizer=OptimizerConfig(learning_rate=2e-5, weight_decay=0.0),
         minibatch_rows=16,
-        # A group's episodes often repeat each other's first steps (an update's 64 samples: 47 prompts);
-        # each prompt's samples in one minibatch share its forward (docs/benchmarks.md, "Shared prompts").
-        minibatch_order="by-prompt",
         credit_every=1,  # two updates: keep both updates' rubrics and credit (about 50 KB each)
         eval_games=16,
         eval_temperature=0.4,
