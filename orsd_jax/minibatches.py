@@ -52,23 +52,14 @@ class TrainingPass:
 def minibatch(samples: Sequence[StepSample], spec: MinibatchSpec) -> Batch:
     """The step samples of one optimizer step as a batch: rows of several samples (``spec.pack``;
     as many rows as they fill, a multiple of ``row_multiple``), or one per row (``spec.rows`` rows)."""
-    if spec.pack:
-        return build_batch(
-            samples,
-            seq_multiple=128,
-            response_multiple=32,
-            batch_multiple=spec.row_multiple,
-            layout=spec.layout,
-            pack=True,
-            row_tokens=spec.row_tokens,
-            share_prefix=spec.share_prefix,
-        )
     return build_batch(
         samples,
         seq_multiple=128,
         response_multiple=32,
-        batch_multiple=spec.rows,
+        batch_multiple=spec.row_multiple if spec.pack else spec.rows,
         layout=spec.layout,
+        pack=spec.pack,
+        row_tokens=spec.row_tokens,
         share_prefix=spec.share_prefix,
     )
 
