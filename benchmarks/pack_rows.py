@@ -80,7 +80,9 @@ def main() -> None:
     )
     parser.add_argument("--method", choices=["grpo", "orsd"], default="grpo")
     parser.add_argument(
-        "--prompts", type=int, help="distinct prompts among the samples (default: all distinct; ALFWorld's: 47 of 64)"
+        "--prompts",
+        type=int,
+        help="distinct prompts among the samples (default: all distinct; a cpu-demo update's: 46 of 64)",
     )
     parser.add_argument("--prompt-min", type=int, default=150)
     parser.add_argument("--prompt-max", type=int, default=600)

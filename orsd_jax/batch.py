@@ -33,9 +33,8 @@ short and long prompts waste fewer padding slots. Per-sample arrays then have ``
 slots, row-major (slot ``b`` is in row ``b // k``), and ``sample`` names the input sample in
 each.
 
-With ``share_prefix`` the samples of one prefix (a group's episodes at a state they reached by the
-same steps: an ALFWorld update's 64 samples held 47 distinct prompts, a WebShop update's 30 held
-13) are one segment: the prefix once, then each sample's branches, member ``q``'s numbered
+With ``share_prefix`` the samples of one prompt (``prompt_key``: a group's episodes at a state they
+reached by the same steps; docs/benchmarks.md, "Shared prompts") are one segment: the prefix once, then each sample's branches, member ``q``'s numbered
 ``WITH + 2 q`` and ``WITHOUT + 2 q``, so that each attends to the prefix and to itself only::
 
     tokens          prefix | tail response_0 | tail response_1 | ...   (the without-rubric stream)
@@ -191,7 +190,7 @@ class _Segment:
     branch: list[int]
     without_index: list[list[int]]  # per member, the predicting index of each response token, without the rubric
     with_index: list[list[int]]  # the same with the rubric: in ``rubric`` (two-stream) or in ``tokens``
-    rubric: list[int] = dataclasses.field(default_factory=list)  # two-stream: [insert tail response] per member
+    rubric: list[int] = dataclasses.field(default_factory=list)  # two-stream: [insert tail], then each response
     rubric_positions: list[int] = dataclasses.field(default_factory=list)
     rubric_branch: list[int] = dataclasses.field(default_factory=list)
 
@@ -219,7 +218,7 @@ def _segment(members: Sequence[StepSample], two_stream: bool) -> _Segment:
         branch.extend([branch_id] * len(part))
         return [*range(p), *range(start, start + len(part))]
 
-    r, st = len(members[0].insert), len(members[0].tail)  # the same in every member (_prefix_groups)
+    r, st = len(members[0].insert), len(members[0].tail)  # the same in every member (prompt_key)
     if r and two_stream:  # the stream starts with the members' [insert tail], seen by each response
         rubric += [*members[0].insert, *members[0].tail]
         rubric_positions += range(p, p + r + st)
@@ -242,14 +241,16 @@ def _segment(members: Sequence[StepSample], two_stream: bool) -> _Segment:
     return _Segment(tokens, positions, branch, without_index, with_index, rubric, rubric_positions, rubric_branch)
 
 
-def _prefix_groups(samples: Sequence[StepSample], share: bool) -> list[list[int]]:
-    """The samples of each segment: those with the same prompt (prefix, insert and tail) together
-    (``share``), in order of first appearance, or each alone."""
-    if not share:
-        return [[i] for i in range(len(samples))]
+def prompt_key(s: StepSample) -> tuple[tuple[int, ...], ...]:
+    """What samples sharing a segment (``share_prefix``) have in common: prefix, insert and tail."""
+    return tuple(s.prefix), tuple(s.insert), tuple(s.tail)
+
+
+def prompt_groups(samples: Sequence[StepSample]) -> list[list[int]]:
+    """The indices of the samples of each prompt (``prompt_key``), in order of first appearance."""
     groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
     for i, s in enumerate(samples):
-        groups.setdefault((tuple(s.prefix), tuple(s.insert), tuple(s.tail)), []).append(i)
+        groups.setdefault(prompt_key(s), []).append(i)
     return list(groups.values())
 
 
@@ -300,8 +301,8 @@ def build_batch(
     slots have no tokens and no response mask, so they add nothing to any loss or count. Reference
     and sampler log-probs are kept when every sample has them and dropped (``None``) when none has.
 
-    ``share_prefix``: samples with the same prefix (a group's episodes that took the same steps so
-    far) are one segment, the prefix computed once and each sample a branch of its own after it,
+    ``share_prefix``: samples of the same prompt (``prompt_key``: a group's episodes that took the
+    same steps so far) are one segment, the prefix computed once and each sample a branch of its own after it,
     as the with- and without-rubric branches of one sample are; the loss is unchanged (tested).
     """
     if not samples:
@@ -317,7 +318,7 @@ def build_batch(
         raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
     if rows is not None and share_prefix:
         raise ValueError("rows name samples one segment each: they do not go with share_prefix")
-    groups = _prefix_groups(samples, share_prefix)
+    groups = prompt_groups(samples) if share_prefix else [[i] for i in range(len(samples))]
     segments = [_segment([samples[i] for i in g], layout == "two-stream") for g in groups]
     # Without any rubric the two layouts are one: no with-rubric stream is built or run.
     two_stream = any(g.rubric for g in segments)

@@ -11,7 +11,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from orsd_jax import distributed
-from orsd_jax.batch import Batch, StepSample, build_batch
+from orsd_jax.batch import Batch, StepSample, build_batch, prompt_groups
 from orsd_jax.credit import RecordedMinibatch
 from orsd_jax.loss import OrsdLoss
 from orsd_jax.metrics_log import progress
@@ -72,10 +72,7 @@ def epoch_orders(samples: Sequence[StepSample], epochs: int, rng: np.random.Gene
         return [rng.permutation(len(samples)) for _ in range(epochs)]
     if order != "by-prompt":
         raise ValueError(f"unknown minibatch order {order!r}; 'shuffled' or 'by-prompt'")
-    prompts: dict[tuple[int, ...], list[int]] = {}
-    for i, s in enumerate(samples):
-        prompts.setdefault(tuple(s.prefix), []).append(i)
-    groups = list(prompts.values())
+    groups = prompt_groups(samples)
     return [np.asarray([i for g in rng.permutation(len(groups)) for i in groups[g]]) for _ in range(epochs)]
 
 

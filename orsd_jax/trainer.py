@@ -26,7 +26,7 @@ import numpy as np
 
 from orsd_jax import distributed, evaluation, seeds
 from orsd_jax.advantages import rank_targets, returns, step_advantages
-from orsd_jax.batch import StepSample, samples_from_json, samples_to_json
+from orsd_jax.batch import StepSample, prompt_key, samples_from_json, samples_to_json
 from orsd_jax.checkpoints import refused_writes
 from orsd_jax.config import TrainConfig, from_json, to_json
 from orsd_jax.credit import RecordedMinibatch, save_credit
@@ -229,7 +229,7 @@ def run_update(
         metrics["train/row_fill"] = counts["row_tokens"] / counts["row_slots"]
         metrics["train/step_samples"] = float(len(samples))
         # Samples of one prompt share its forward when they share a minibatch (MinibatchSpec.share_prefix).
-        metrics["train/prompts"] = float(len({(tuple(s.prefix), tuple(s.insert)) for s in samples}))
+        metrics["train/prompts"] = float(len({prompt_key(s) for s in samples}))
         metrics["train/tokens_per_s"] = counts["tokens"] / metrics["time/train"]
         metrics["train/row_tokens_per_s"] = counts["row_tokens"] / metrics["time/train"]
         policy = services.policy(trained.state)
