@@ -1,7 +1,7 @@
 """One update's training stage with rows of one sample and rows of several (``TrainConfig.pack_rows``).
 
 Usage: python -m benchmarks.pack_rows [--samples 117] [--prompts N] [--method grpo|orsd] [--reps 3]
-       [--row-tokens 512,1024]
+       [--row-tokens 512,1024] [--samples-from RUN/steps/00001]
 
 The cpu-demo preset's training stage (embedded model, 26 of 30 layers frozen, minibatches of 16
 step samples, the two-stream replay) over step samples shaped like an ALFWorld update's: prompts
@@ -12,7 +12,8 @@ every sample. Rows of several samples are as long as the longest sample, or at l
 tree-mask layout. With ``--prompts`` fewer than the samples, some samples repeat an earlier one's
 prompt (a group's episodes that took the same steps); "shared prompts" computes each prompt once
 per minibatch (``MinibatchSpec.share_prefix``, the other rows do not), and "shared, by prompt" also
-orders the samples by prompt (``TrainConfig.minibatch_order``). Each configuration runs one warm-up update (its compilations, reported apart) and
+orders the samples by prompt (``TrainConfig.minibatch_order``). ``--samples-from`` replays a real
+update's step samples instead (a run's recorded update: ``orsd_jax.credit.load_samples``). Each configuration runs one warm-up update (its compilations, reported apart) and
 then ``--reps`` timed updates, interleaved; the table gives medians, the padded slots the forwards
 computed, the fill (tokens / slots), and the speed-up and FLOP ratio against the first
 configuration run (``--configs`` picks some).
@@ -29,8 +30,9 @@ import jax
 import numpy as np
 
 from orsd_jax import chat
-from orsd_jax.batch import StepSample
+from orsd_jax.batch import StepSample, prompt_groups
 from orsd_jax.config import preset
+from orsd_jax.credit import load_samples
 from orsd_jax.estimate import step_flops
 from orsd_jax.loss import OrsdLoss
 from orsd_jax.minibatches import MinibatchSpec, epoch_orders, minibatch, train_minibatches
@@ -90,12 +92,19 @@ def main() -> None:
     parser.add_argument(
         "--row-tokens", type=lambda text: [int(n) for n in text.split(",")], default=[512, 1024], help="comma list"
     )
+    parser.add_argument(
+        "--samples-from", help="a recorded update's steps/<update> folder: its step samples instead of synthetic ones"
+    )
     parser.add_argument("--configs", nargs="+", help="the configurations to run, by their row names (default: all)")
     args = parser.parse_args()
 
+    recorded = load_samples(args.samples_from) if args.samples_from else None
+    if recorded:
+        args.samples, args.prompts = len(recorded), len(prompt_groups(recorded))
+        args.method = "orsd" if any(s.insert for s in recorded) else "grpo"
     base = dataclasses.replace(preset("cpu-demo"), method=args.method).resolved()
     model, tokenizer = load_model(EMBEDDED, remat=base.model.remat, frozen_layers=base.model.frozen_layers)
-    samples = step_samples(args, tokenizer, model.config.vocab_size)
+    samples = recorded or step_samples(args, tokenizer, model.config.vocab_size)
     optimizer = make_optimizer(base.optimizer, frozen_layers=base.model.frozen_layers)
     graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(base.loss), optimizer, graphdef, sharding)
@@ -128,9 +137,9 @@ def main() -> None:
             state = jax.block_until_ready(trained.state)
             runs[name]["times"].append(time.perf_counter() - start)
             runs[name]["counts"] = trained.counts
+    shape = args.samples_from or f"{args.prompt_min}-{args.prompt_max} tokens"
     print(
-        f"{args.samples} step samples ({args.method}) of {args.prompts or args.samples} prompts, "
-        f"{args.prompt_min}-{args.prompt_max} tokens, "
+        f"{args.samples} step samples ({args.method}) of {args.prompts or args.samples} prompts, {shape}, "
         f"{jax.device_count()} device(s), medians of {args.reps}"
     )
     print(

@@ -11,6 +11,7 @@ of an update from the training forward itself, at the parameters that minibatch'
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import pathlib
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from orsd_jax.batch import StepSample, samples_from_json, samples_to_json
+
 if TYPE_CHECKING:
     from orsd_jax.envs.base import TextEnv
     from orsd_jax.envs.webshop import WebShopEnv
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from orsd_jax.rubrics import GroupRubric
     from orsd_jax.samples import StepKey
 
+SAMPLES = "samples.json.gz"  # a recorded update's step samples, in its steps/<update>/ folder
 VALUES = ("logp_with", "logp_without", "gap", "advantage", "corrected", "gap_clipped")
 
 
@@ -80,11 +84,14 @@ def save_credit(
     index: Sequence[StepKey],
     minibatches: Sequence[RecordedMinibatch],
     make_env: Callable[[], TextEnv],
+    samples: Sequence[StepSample] = (),
 ) -> pathlib.Path:
     """What the credit maps show, in ``steps/<update>/``: the groups as text with each
     trajectory's return (``returns[g][t]``), the rubric candidates and selection, the per-token
     values of the recorded minibatches (``index[i]``: where step sample ``i`` came from) and
-    whether each step's action was expert-consistent (``expert_labels``, on an env of ``make_env``)."""
+    whether each step's action was expert-consistent (``expert_labels``, on an env of ``make_env``).
+    ``samples``: the update's step samples as the training stage read them (``samples.json.gz``,
+    ``load_samples``), so that it can be replayed apart (``benchmarks.pack_rows --samples-from``)."""
     directory = pathlib.Path(run_dir) / "steps" / f"{update:05d}"
     directory.mkdir(parents=True, exist_ok=True)
     expert = expert_labels(groups, make_env)
@@ -120,11 +127,21 @@ def save_credit(
         "rubrics": None if rubrics is None else [rubric_record(r) for r in rubrics],
     }
     (directory / "step.json").write_text(json.dumps(payload))
+    if samples:
+        with gzip.open(directory / SAMPLES, "wt") as f:
+            json.dump(samples_to_json(samples), f)
     for k, m in enumerate(minibatches):
         rows = np.array([index[i] for i in m.samples])
         # numpy's stub matches the unpacked arrays against its allow_pickle parameter.
         np.savez_compressed(directory / f"credit_{k}.npz", rows=rows, mask=m.mask, **m.values)  # type: ignore[arg-type]
     return directory
+
+
+def load_samples(path: str | os.PathLike) -> list[StepSample]:
+    """A recorded update's step samples (``save_credit``): its ``steps/<update>/`` folder or the file."""
+    path = pathlib.Path(path)
+    with gzip.open(path / SAMPLES if path.is_dir() else path, "rt") as f:
+        return samples_from_json(json.load(f))
 
 
 def _nan_as_none(values: np.ndarray) -> list:

@@ -62,6 +62,7 @@ class UpdateResult:
     rubrics: tuple[GroupRubric, ...] | None
     index: tuple[StepKey, ...]
     recorded: tuple[RecordedMinibatch, ...]
+    samples: tuple[StepSample, ...]  # the step samples trained on
     memory: RubricMemory  # the rubric memory after the update (unchanged when it is off)
 
 
@@ -237,7 +238,7 @@ def run_update(
             with timed(metrics, "weight_push"):
                 services.sampler.push_weights(policy, update + 1)
     p = played
-    result = UpdateResult(metrics, p.groups, p.returns, p.rubrics, p.index, trained.recorded, p.memory)
+    result = UpdateResult(metrics, p.groups, p.returns, p.rubrics, p.index, trained.recorded, tuple(samples), p.memory)
     return trained.state, result
 
 
@@ -351,6 +352,7 @@ def train(
                             r.index,
                             r.recorded,
                             services.suite.make_env,
+                            r.samples,
                         )
                 if c.eval_every and (update + 1) % c.eval_every == 0 and update + 1 < c.updates:
                     metrics |= evaluate(services, update + 1)

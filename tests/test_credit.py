@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from experiments.credit_report import rendered_dom, screenshot, write_report
 from orsd_jax.batch import build_batch
 from orsd_jax.config import preset
-from orsd_jax.credit import load_credit, recorded_updates, run_tokenizer, token_pieces
+from orsd_jax.credit import load_credit, load_samples, recorded_updates, run_tokenizer, token_pieces
 from orsd_jax.credit_html import gap_colour
 from orsd_jax.loss import LossConfig, OrsdLoss
 from orsd_jax.minibatches import train_minibatches
@@ -104,6 +104,14 @@ def test_recorded_credit_matches_the_run(run):
         if s.criteria is None:
             np.testing.assert_array_equal(s.values["corrected"], s.values["advantage"])
             assert not s.values["gap"].any()
+    # The step samples trained on, kept for replaying the update: one per recorded step, the same
+    # responses, advantages and rubric use (a rubric's tokens inserted exactly where a rubric was selected).
+    samples = load_samples(run / "steps" / "00002")
+    kept = sorted((tuple(s.response), round(s.advantage, 5), bool(s.insert)) for s in samples)
+    credited = sorted(
+        (s.response_ids, round(float(s.values["advantage"][0]), 5), s.criteria is not None) for s in record.steps
+    )
+    assert kept == credited
 
 
 @pytest.mark.parametrize("pack_rows", [False, True])
