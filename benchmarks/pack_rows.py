@@ -11,8 +11,9 @@ every sample. Rows of several samples are as long as the longest sample, or at l
 ``--row-tokens`` (``TrainConfig.row_tokens``); "packed layout" is one sample per row in the packed
 tree-mask layout. With ``--prompts`` fewer than the samples, some samples repeat an earlier one's
 prompt (a group's episodes that took the same steps); "shared prompts" computes each prompt once
-per minibatch (``MinibatchSpec.share_prefix``, the other rows do not), and "shared, by prompt" also
-orders the samples by prompt (``TrainConfig.minibatch_order``). ``--samples-from`` replays a real
+per minibatch (``MinibatchSpec.share_prefix``, the other rows do not), "shared, by prompt" also
+orders the samples by prompt and "shared, packed" packs the whole update's rows at once and deals
+them out (``TrainConfig.minibatch_order``). ``--samples-from`` replays a real
 update's step samples instead (a run's recorded update: ``orsd_jax.credit.load_samples``). Each configuration runs one warm-up update (its compilations, reported apart) and
 then ``--reps`` timed updates, interleaved; the table gives medians, the padded slots the forwards
 computed, the fill (tokens / slots), and the speed-up and FLOP ratio against the first
@@ -35,7 +36,7 @@ from orsd_jax.config import preset
 from orsd_jax.credit import load_samples
 from orsd_jax.estimate import step_flops
 from orsd_jax.loss import OrsdLoss
-from orsd_jax.minibatches import MinibatchSpec, epoch_orders, minibatch, train_minibatches
+from orsd_jax.minibatches import MinibatchSpec, Step, minibatch, train_minibatches, update_steps
 from orsd_jax.models import EMBEDDED, load_model
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
 
@@ -66,13 +67,10 @@ def step_samples(args, tokenizer, vocab: int) -> list[StepSample]:
     return out
 
 
-def update_flops(model_config, samples: list[StepSample], order: np.ndarray, spec: MinibatchSpec) -> float:
+def update_flops(model_config, samples: list[StepSample], steps: list[Step], spec: MinibatchSpec) -> float:
     """Dense FLOPs of the update's train steps (``orsd_jax.estimate.step_flops``) on the minibatches
     ``train_minibatches`` builds for ``spec``."""
-    starts = range(0, len(samples), spec.rows)
-    return sum(
-        step_flops(model_config, minibatch([samples[i] for i in order[s : s + spec.rows]], spec)) for s in starts
-    )
+    return sum(step_flops(model_config, minibatch([samples[i] for i in s.samples], spec, s)) for s in steps)
 
 
 def main() -> None:
@@ -107,33 +105,35 @@ def main() -> None:
     samples = recorded or step_samples(args, tokenizer, model.config.vocab_size)
     optimizer = make_optimizer(base.optimizer, frozen_layers=base.model.frozen_layers)
     graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
-    step = make_train_step(OrsdLoss(base.loss), optimizer, graphdef, sharding)
-    shuffled = [np.random.RandomState(1).permutation(len(samples))]
     spec = dataclasses.replace(base.minibatch_spec(), share_prefix=False)
+    shared = dataclasses.replace(spec, share_prefix=True)
     configs = {
         # The default before the two-stream replay and packed rows (931436c's).
-        "packed layout": (dataclasses.replace(spec, layout="packed", pack=False), shuffled),
-        "one per row": (dataclasses.replace(spec, pack=False), shuffled),
-        "packed rows": (spec, shuffled),
-        **{f"packed, >= {n}": (dataclasses.replace(spec, row_tokens=n), shuffled) for n in args.row_tokens},
-        "shared prompts": (dataclasses.replace(spec, share_prefix=True), shuffled),
-        "shared, by prompt": (
-            dataclasses.replace(spec, share_prefix=True),
-            epoch_orders(samples, 1, np.random.default_rng(1), "by-prompt"),
-        ),
+        "packed layout": (dataclasses.replace(spec, layout="packed", pack=False), "shuffled"),
+        "one per row": (dataclasses.replace(spec, pack=False), "shuffled"),
+        "packed rows": (spec, "shuffled"),
+        **{f"packed, >= {n}": (dataclasses.replace(spec, row_tokens=n), "shuffled") for n in args.row_tokens},
+        "shared prompts": (shared, "shuffled"),
+        "shared, by prompt": (shared, "by-prompt"),
+        "shared, packed": (shared, "packed"),
     }
     unknown = set(args.configs or ()) - set(configs)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}; of {list(configs)}")
     configs = {name: c for name, c in configs.items() if not args.configs or name in args.configs}
-    runs = {
-        name: {"times": [], "flops": update_flops(model.config, samples, order[0], s)}
-        for name, (s, order) in configs.items()
+    plans = {
+        name: (s, update_steps(samples, 1, np.random.default_rng(1), order, s)) for name, (s, order) in configs.items()
     }
+    runs = {
+        name: {"times": [], "flops": update_flops(model.config, samples, steps, s)}
+        for name, (s, steps) in plans.items()
+    }
+    # A train step of its own each: every configuration's first update compiles its own shapes.
+    train_steps = {name: make_train_step(OrsdLoss(base.loss), optimizer, graphdef, sharding) for name in plans}
     for _ in range(1 + args.reps):
-        for name, (spec, order) in configs.items():
+        for name, (spec, steps) in plans.items():
             start = time.perf_counter()
-            trained = train_minibatches(step, state, samples, order, spec, record=False)
+            trained = train_minibatches(train_steps[name], state, samples, steps, spec, record=False)
             state = jax.block_until_ready(trained.state)
             runs[name]["times"].append(time.perf_counter() - start)
             runs[name]["counts"] = trained.counts

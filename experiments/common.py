@@ -16,6 +16,7 @@ from orsd_jax.batch import LAYOUTS
 from orsd_jax.config import METHODS, PRESETS, TrainConfig, VerifierSetup, preset
 from orsd_jax.envs.webshop.data import DATA_ENV_VAR, SMALL_FILES
 from orsd_jax.metrics_log import console_logging
+from orsd_jax.minibatches import ORDERS
 from orsd_jax.rubrics.generate import RANK_TARGETS, SELECTIONS
 from orsd_jax.rubrics.sources import SOURCES
 from orsd_jax.rubrics.verify import DASHSCOPE, EndpointConfig
@@ -88,8 +89,9 @@ def parser(env: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--replay", choices=LAYOUTS, help="the replay's batch layout (default: two-stream, the fastest)")
     p.add_argument(
         "--minibatch-order",
-        choices=["shuffled", "by-prompt"],
-        help="shuffled samples, or each prompt's samples together so they share its forward (default: shuffled)",
+        choices=ORDERS,
+        help="shuffled samples, each prompt's samples together so they share its forward, or the update packed "
+        "into rows at once and the rows dealt out (one compiled shape; default: the preset's)",
     )
     p.add_argument(
         "--old-logprobs", choices=["sampler", "trainer"], help="the PPO ratio's old log-probs (paper presets: trainer)"

@@ -51,6 +51,8 @@ name them (annotations only: nothing checks them at run time)::
     R   rows (padded to ``batch_multiple``)
     T   row length (padded to ``seq_multiple``)
     U   the with-rubric stream's length (two-stream only, padded the same)
+    S   the with-rubric stream's rows: the batch's first rows, those holding a segment with a rubric
+        (padded to ``batch_multiple``); rows without one have no stream, so cost it nothing
     B   sample slots, ``R x k`` row-major (k: the most samples in a row; 1 without packing)
     Y   response length (padded to ``response_multiple``)
     N   input samples (``build_batch``'s ``samples``)
@@ -134,16 +136,19 @@ class Batch:
     old_logp: Float32[np.ndarray | jax.Array, "B Y"]
     advantage: Float32[np.ndarray | jax.Array, " B"]
     has_rubric: Bool[np.ndarray | jax.Array, " B"]
+    # Per row, which of its k x Y slot tokens (row-major) the LM head scores: the real response
+    # tokens, then the index k x Y (no slot: scored and dropped), so that empty slots cost no LM head.
+    head: Int32[np.ndarray | jax.Array, "R M"]
     ref_logp: Float32[np.ndarray | jax.Array, "B Y"] | None = None
     sampler_logp: Float32[np.ndarray | jax.Array, "B Y"] | None = None
     # The model's ``frozen_states`` of ``tokens`` (its compute dtype), computed once (the warm start's epochs).
     frozen: Float[np.ndarray | jax.Array, "R T D"] | None = None
     # The two-stream layout's with-rubric stream (None: the packed layout, or no sample has a rubric).
-    rubric_tokens: Int32[np.ndarray | jax.Array, "R U"] | None = None
-    rubric_positions: Int32[np.ndarray | jax.Array, "R U"] | None = None
+    rubric_tokens: Int32[np.ndarray | jax.Array, "S U"] | None = None
+    rubric_positions: Int32[np.ndarray | jax.Array, "S U"] | None = None
     # SHARED for a segment's [insert tail], its sample's WITH branch for its response, or PAD.
-    rubric_branch: Int32[np.ndarray | jax.Array, "R U"] | None = None
-    rubric_segment: Int32[np.ndarray | jax.Array, "R U"] | None = None  # as ``segment``
+    rubric_branch: Int32[np.ndarray | jax.Array, "S U"] | None = None
+    rubric_segment: Int32[np.ndarray | jax.Array, "S U"] | None = None  # as ``segment``
 
     @property
     def two_stream(self) -> bool:
@@ -255,13 +260,14 @@ def prompt_groups(samples: Sequence[StepSample]) -> list[list[int]]:
 
 
 def _rows(segments: Sequence[_Segment], t: int, u: int, pack: bool) -> list[list[int]]:
-    """The samples of each row: one per row in order, or (``pack``) first-fit by decreasing
-    length into rows of ``t`` tokens and ``u`` with-rubric stream tokens."""
+    """The segments of each row: one per row in order, or (``pack``) first-fit by decreasing
+    length into rows of ``t`` tokens and ``u`` with-rubric stream tokens, the segments with a
+    stream first: they fill the first rows, and the stream has as few rows as they allow."""
     if not pack:
         return [[i] for i in range(len(segments))]
     rows: list[list[int]] = []
     used: list[tuple[int, int]] = []
-    for i in sorted(range(len(segments)), key=lambda i: -len(segments[i].tokens)):
+    for i in sorted(range(len(segments)), key=lambda i: (not segments[i].rubric, -len(segments[i].tokens))):
         n, m = len(segments[i].tokens), len(segments[i].rubric)
         row = next((k for k, (a, c) in enumerate(used) if a + n <= t and c + m <= u), None)
         if row is None:
@@ -271,6 +277,67 @@ def _rows(segments: Sequence[_Segment], t: int, u: int, pack: bool) -> list[list
         rows[row].append(i)
         used[row] = (used[row][0] + n, used[row][1] + m)
     return rows
+
+
+def _prompt_segments(samples: Sequence[StepSample], indices: Sequence[int], share_prefix: bool) -> list[list[int]]:
+    """``indices`` as segments: one sample each, or (``share_prefix``) the samples of each prompt."""
+    if not share_prefix:
+        return [[i] for i in indices]
+    return [[indices[j] for j in g] for g in prompt_groups([samples[i] for i in indices])]
+
+
+def _extent(segments: Sequence[_Segment], floor: int, seq_multiple: int) -> tuple[int, int]:
+    """``(T, U)`` for rows of ``segments``: the longest padded, at least ``floor`` (and its half);
+    ``U`` is 0 when no segment has a with-rubric stream (the two layouts are then one)."""
+    t = _round_up(max(floor, *(len(g.tokens) for g in segments)), seq_multiple)
+    if not any(g.rubric for g in segments):
+        return t, 0
+    return t, _round_up(max(floor // 2, *(len(g.rubric) for g in segments)), seq_multiple)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """Which samples ``build_batch`` puts in each row, and the rows' lengths."""
+
+    rows: list[list[int]]  # sample indices, a row's segments one after another
+    tokens: int  # T
+    stream: int  # U, 0 without a with-rubric stream
+    stream_rows: int  # rows holding a with-rubric stream: the first ones
+
+
+def plan_rows(
+    samples: Sequence[StepSample],
+    *,
+    layout: str = "packed",
+    pack: bool = False,
+    share_prefix: bool = False,
+    seq_multiple: int = 64,
+    row_tokens: int = 0,
+) -> RowPlan:
+    """The rows ``build_batch`` makes of ``samples`` (its parameters of the same names): a segment
+    per row, or (``pack``) first fit by decreasing length into rows of the longest segment's
+    padded length (at least ``row_tokens``)."""
+    groups = _prompt_segments(samples, range(len(samples)), share_prefix)
+    segments = [_segment([samples[i] for i in g], layout == "two-stream") for g in groups]
+    t, u = _extent(segments, row_tokens if pack else 0, seq_multiple)
+    members = _rows(segments, t, u, pack)
+    stream_rows = sum(any(segments[g].rubric for g in m) for m in members)
+    return RowPlan([[i for g in m for i in groups[g]] for m in members], t, u, stream_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """A packed batch's array shape (``build_batch(shape=...)``): batches of one shape run one
+    compiled train step. ``stream`` applies to batches with a with-rubric stream (two-stream
+    layout, some sample with a rubric); batches without one have none."""
+
+    rows: int  # R
+    tokens: int  # T
+    stream: int  # U
+    stream_rows: int  # S
+    slots: int  # k, sample slots a row
+    response: int  # Y
+    head: int  # M, the LM head's positions a row
 
 
 def build_batch(
@@ -286,6 +353,7 @@ def build_batch(
     rows: Sequence[Sequence[int]] | None = None,
     slots: int = 1,
     share_prefix: bool = False,
+    shape: BatchShape | None = None,
 ) -> Batch:
     """Packs step samples into a ``Batch`` of numpy arrays in ``layout`` (``LAYOUTS``, see the
     module docstring).
@@ -296,14 +364,16 @@ def build_batch(
     K``, K the most samples in a row) are row-major and ``Batch.sample`` says which input sample
     each holds; ``row_tokens`` makes packed rows at least that long, so that samples longer than
     half the longest one can share rows too; ``rows`` (with ``pack``) gives the samples of each row
-    instead, and ``slots`` a least K, so that batches of one fixed shape can be built. Padding rows
-    (to make the row count a multiple of ``batch_multiple``, e.g. devices x micro-batches) and empty
-    slots have no tokens and no response mask, so they add nothing to any loss or count. Reference
-    and sampler log-probs are kept when every sample has them and dropped (``None``) when none has.
+    instead, and ``slots`` a least K, or ``shape`` the whole array shape (a ``ValueError`` when the
+    samples do not fit it), so that batches of one fixed shape can be built. Padding rows (to make
+    the row count a multiple of ``batch_multiple``, e.g. devices x micro-batches) and empty slots
+    have no tokens and no response mask, so they add nothing to any loss or count. Reference and
+    sampler log-probs are kept when every sample has them and dropped (``None``) when none has.
 
     ``share_prefix``: samples of the same prompt (``prompt_key``: a group's episodes that took the
-    same steps so far) are one segment, the prefix computed once and each sample a branch of its own after it,
-    as the with- and without-rubric branches of one sample are; the loss is unchanged (tested).
+    same steps so far; with ``rows``, in the same row) are one segment, the prefix computed once
+    and each sample a branch of its own after it, as the with- and without-rubric branches of one
+    sample are; the loss is unchanged (tested).
     """
     if not samples:
         raise ValueError("no step samples")
@@ -316,37 +386,65 @@ def build_batch(
             raise ValueError(f"{name} must be given for every sample or for none")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
-    if rows is not None and share_prefix:
-        raise ValueError("rows name samples one segment each: they do not go with share_prefix")
-    groups = prompt_groups(samples) if share_prefix else [[i] for i in range(len(samples))]
-    segments = [_segment([samples[i] for i in g], layout == "two-stream") for g in groups]
-    # Without any rubric the two layouts are one: no with-rubric stream is built or run.
-    two_stream = any(g.rubric for g in segments)
-    floor = row_tokens if pack else 0
-    t = _round_up(max(floor, *(len(g.tokens) for g in segments)), seq_multiple)
-    u = _round_up(max(floor // 2, *(len(g.rubric) for g in segments)), seq_multiple) if two_stream else 0
+    if (rows is not None or shape is not None) and not pack:
+        raise ValueError("rows and shape go with pack=True")
     if rows is None:
-        members = _rows(segments, t, u, pack)
-    else:
-        members = [list(row) for row in rows]
-        if not pack or sorted(i for row in members for i in row) != list(range(len(samples))):
-            raise ValueError("rows go with pack=True and must hold every sample exactly once")
-        if any(sum(len(segments[i].tokens) for i in row) > t for row in members):
-            raise ValueError(f"a row holds more than its {t} tokens")
-    r = _round_up(len(members), batch_multiple)
+        rows = plan_rows(
+            samples,
+            layout=layout,
+            pack=pack,
+            share_prefix=share_prefix,
+            seq_multiple=seq_multiple,
+            row_tokens=row_tokens,
+        ).rows
+    elif sorted(i for row in rows for i in row) != list(range(len(samples))):
+        raise ValueError("rows must hold every sample exactly once")
+    # Rows holding a with-rubric stream first: the stream's arrays have only those rows.
+    streams = lambda row: layout == "two-stream" and any(samples[i].insert for i in row)  # noqa: E731
+    rows = sorted(rows, key=lambda row: not streams(row))
+    in_rows = [_prompt_segments(samples, row, share_prefix) for row in rows]  # the segments of each row
+    groups = [g for row in in_rows for g in row]
+    segments = [_segment([samples[i] for i in g], layout == "two-stream") for g in groups]
+    t, u = _extent(segments, row_tokens if pack else 0, seq_multiple)
+    two_stream = u > 0
+    if shape is not None:
+        t, u = shape.tokens, shape.stream if two_stream else 0
+    starts = np.cumsum([0, *(len(row) for row in in_rows)])
+    members = [list(range(a, e)) for a, e in zip(starts[:-1], starts[1:])]
+    if any(sum(len(segments[g].tokens) for g in m) > t or sum(len(segments[g].rubric) for g in m) > u for m in members):
+        raise ValueError(f"a row holds more than its {t} tokens (with-rubric stream: {u})")
     k = max(slots, *(sum(len(groups[g]) for g in m) for m in members))
+    # Rows, stream rows, response length and LM-head positions a row the samples need, unpadded.
+    need = (
+        len(members),
+        sum(map(streams, rows)),
+        max(len(s.response) for s in samples),
+        max(sum(len(samples[i].response) for i in row) for row in rows),
+    )
+    if shape is None:
+        r, stream_rows = (_round_up(n, batch_multiple) for n in need[:2])
+        y = _round_up(need[2], response_multiple)
+        m = min(k * y, _round_up(need[3], response_multiple))
+    else:
+        r, stream_rows, y, m = shape.rows, shape.stream_rows, shape.response, shape.head
+        if any(a > b for a, b in zip((*need, k), (r, stream_rows, y, m, shape.slots))):
+            raise ValueError(
+                f"the samples need {need} (rows, stream rows, response tokens, LM-head positions a "
+                f"row) and {k} slots a row; the shape has {(r, stream_rows, y, m)} and {shape.slots}"
+            )
+        k = shape.slots
     b = r * k
-    y = _round_up(max(len(s.response) for s in samples), response_multiple)
+    head = np.full((r, m), k * y, np.int32)
 
     tokens = np.full((r, t), pad_id, np.int32)
     positions = np.zeros((r, t), np.int32)
     branch = np.full((r, t), PAD, np.int32)
     segment = np.full((r, t), PAD, np.int32)
     rubric = {
-        "rubric_tokens": np.full((r, u), pad_id, np.int32),
-        "rubric_positions": np.zeros((r, u), np.int32),
-        "rubric_branch": np.full((r, u), PAD, np.int32),
-        "rubric_segment": np.full((r, u), PAD, np.int32),
+        "rubric_tokens": np.full((stream_rows, u), pad_id, np.int32),
+        "rubric_positions": np.zeros((stream_rows, u), np.int32),
+        "rubric_branch": np.full((stream_rows, u), PAD, np.int32),
+        "rubric_segment": np.full((stream_rows, u), PAD, np.int32),
     }
     sample = np.full((b,), -1, np.int32)
     response = np.full((b, y), pad_id, np.int32)
@@ -357,7 +455,8 @@ def build_batch(
     advantage = np.zeros((b,), np.float32)
     has_rubric = np.zeros((b,), bool)
     for row, in_row in enumerate(members):
-        at, at_rubric, j = 0, 0, row * k  # where the next segment starts in the row and in its stream; the next slot
+        # Where the next segment starts in the row and in its stream; the next slot; the next LM-head position.
+        at, at_rubric, j, scored = 0, 0, row * k, 0
         for seg, gi in enumerate(in_row):
             g, n = segments[gi], len(segments[gi].tokens)
             span = slice(at, at + n)
@@ -372,15 +471,16 @@ def build_batch(
                 rubric["rubric_tokens"][row, span], rubric["rubric_positions"][row, span] = g.rubric, g.rubric_positions
                 rubric["rubric_branch"][row, span], rubric["rubric_segment"][row, span] = g.rubric_branch, seg
             for q, i in enumerate(groups[gi]):
-                s, m = samples[i], len(samples[i].response)
-                sample[j], response[j, :m], mask[j, :m] = i, s.response, 1.0
-                without_index[j, :m] = np.asarray(g.without_index[q]) + at
-                with_index[j, :m] = np.asarray(g.with_index[q]) + (at_rubric if two_stream else at)
+                s, ny = samples[i], len(samples[i].response)
+                sample[j], response[j, :ny], mask[j, :ny] = i, s.response, 1.0
+                without_index[j, :ny] = np.asarray(g.without_index[q]) + at
+                with_index[j, :ny] = np.asarray(g.with_index[q]) + (at_rubric if two_stream else at)
                 for name, values in logps.items():
                     if getattr(s, name) is not None:
-                        values[j, :m] = getattr(s, name)
+                        values[j, :ny] = getattr(s, name)
                 advantage[j], has_rubric[j] = s.advantage, bool(s.insert)
-                j += 1
+                head[row, scored : scored + ny] = (j - row * k) * y + np.arange(ny)
+                j, scored = j + 1, scored + ny
             at, at_rubric = at + n, at_rubric + len(g.rubric)
     return Batch(
         **(rubric if two_stream else {}),
@@ -396,6 +496,7 @@ def build_batch(
         old_logp=logps["old_logprobs"],
         advantage=advantage,
         has_rubric=has_rubric,
+        head=head,
         ref_logp=logps["ref_logprobs"] if samples[0].ref_logprobs is not None else None,
         sampler_logp=logps["sampler_logprobs"] if samples[0].sampler_logprobs is not None else None,
     )
@@ -417,16 +518,16 @@ def tree_attention_mask(
     return mask if segment is None else mask & (segment[:, :, None] == segment[:, None, :])
 
 
-def rubric_attention_mask(batch: Batch) -> Bool[jax.Array, "R U T+U"]:
+def rubric_attention_mask(batch: Batch) -> Bool[jax.Array, "S U T+U"]:
     """What the with-rubric stream's tokens see of a cache holding the row's
     keys in slots ``[0, T)`` and the stream's own in ``[T, T + U)``: their sample's prefix, and
     their own earlier stream tokens: their segment's ``[insert tail]`` and their own response.
     Padding tokens see nothing."""
     if batch.rubric_tokens is None or batch.rubric_segment is None or batch.rubric_branch is None:
         raise ValueError("rubric_attention_mask needs a batch with a with-rubric stream (the two-stream layout)")
-    u = batch.rubric_tokens.shape[1]
+    rows, u = batch.rubric_tokens.shape
     query = batch.rubric_segment[:, :, None]
-    prefix = (batch.branch == SHARED)[:, None, :] & (batch.segment[:, None, :] == query)
+    prefix = (batch.branch[:rows] == SHARED)[:, None, :] & (batch.segment[:rows, None, :] == query)
     causal = jnp.arange(u)[:, None] >= jnp.arange(u)[None, :]
     key = batch.rubric_branch[:, None, :]
     tree = (key == SHARED) | (key == batch.rubric_branch[:, :, None])

@@ -17,7 +17,7 @@ import jax
 from orsd_jax.advantages import AdvantageConfig, verl_agent_normalize_std
 from orsd_jax.batch import LAYOUTS
 from orsd_jax.loss import LossConfig
-from orsd_jax.minibatches import MinibatchSpec
+from orsd_jax.minibatches import ORDERS, MinibatchSpec
 from orsd_jax.models import EMBEDDED
 from orsd_jax.rollout import RolloutConfig
 from orsd_jax.rubrics import EndpointConfig, RubricConfig
@@ -125,9 +125,11 @@ class TrainConfig:
     # differ by 0.02 on average in bfloat16 (docs/benchmarks.md, "Sampler and trainer log-probs").
     old_logprobs: str = "sampler"
     ppo_epochs: int = 1  # passes over an update's step samples (verl-agent: 1)
-    # How an epoch orders the step samples before cutting minibatches: "shuffled" (a permutation), or
-    # "by-prompt" (the distinct prompts shuffled, each with all its samples, so that samples of one
-    # prompt share a minibatch and the forward over the prompt; docs/benchmarks.md, "Shared prompts").
+    # How an epoch makes minibatches of the step samples (minibatches.update_steps): "shuffled" (a
+    # permutation cut into minibatch_rows), "by-prompt" (the distinct prompts shuffled, each with all
+    # its samples, so that samples of one prompt share a minibatch and the forward over the prompt), or
+    # "packed" (the update's samples packed into rows once, the rows shuffled and dealt into as many
+    # steps: one shape, one compilation an epoch; docs/benchmarks.md, "Shared prompts").
     minibatch_order: str = "shuffled"
     micro_batches: int = 1
     devices: int | None = None  # mesh size (None: every device)
@@ -168,8 +170,10 @@ class TrainConfig:
             raise ValueError(
                 "loss.tis_cap weighs the trainer's old log-probs against the sampler's: set old_logprobs='trainer'"
             )
-        if self.minibatch_order not in ("shuffled", "by-prompt"):
-            raise ValueError(f"minibatch_order must be 'shuffled' or 'by-prompt', got {self.minibatch_order!r}")
+        if self.minibatch_order not in ORDERS:
+            raise ValueError(f"minibatch_order must be one of {ORDERS}, got {self.minibatch_order!r}")
+        if self.minibatch_order == "packed" and not self.pack_rows:
+            raise ValueError("minibatch_order 'packed' packs rows: it needs pack_rows")
         if self.ppo_epochs < 1:
             raise ValueError(f"ppo_epochs must be at least 1, got {self.ppo_epochs}")
         if self.group_size < 2:
@@ -334,6 +338,9 @@ def _cpu_demo(env: str) -> TrainConfig:
         advantage=AdvantageConfig(invalid="admissible"),
         optimizer=OptimizerConfig(learning_rate=2e-5, weight_decay=0.0),
         minibatch_rows=16,
+        # The update's rows packed at once and dealt out: one compiled shape an update, the samples
+        # of a prompt in one row (docs/benchmarks.md#the-update-packed-at-once).
+        minibatch_order="packed",
         credit_every=1,  # two updates: keep both updates' rubrics and credit (about 50 KB each)
         eval_games=16,
         eval_temperature=0.4,
@@ -373,6 +380,7 @@ def _cpu_study(env: str) -> TrainConfig:
         optimizer=dataclasses.replace(c.optimizer, learning_rate=2e-4, warmup_steps=16),
         credit_every=0,
         eval_games=50,  # about 50 look games of each split: 13 could not separate 5/13 from 2/13
+        minibatch_order="shuffled",  # the study's recorded protocol (cpu-demo's order when it ran)
     )
 
 

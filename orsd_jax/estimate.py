@@ -111,13 +111,13 @@ def step_flops(c: ModelConfig, batch) -> float:
     """The dense work of one train step on ``batch`` (an ``orsd_jax.batch.Batch`` in either layout,
     its shapes only): packed rows with both LM heads, or the two-stream replay's gradient stream
     and its forward-only with-rubric stream, which scores its whole cache (``T + U`` slots). A row
-    of ``k`` sample slots runs the LM head at ``k`` responses' positions."""
+    runs the LM head at ``Batch.head``'s ``M`` positions."""
     b, t = batch.tokens.shape
-    head = batch.response.shape[0] // b * batch.response.shape[1]  # k x Y a row
+    head = batch.head.shape[1]
     if batch.rubric_tokens is None:
         return train_flops(c, b, t, 2 * head)
-    u = batch.rubric_tokens.shape[1]
-    return train_flops(c, b, t, head) + forward_flops(c, b, u, head, keys=t + u)
+    rows, u = batch.rubric_tokens.shape  # the stream's rows: those with a rubric
+    return train_flops(c, b, t, head) + forward_flops(c, rows, u, head, keys=t + u)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,7 +86,7 @@ def response_logprobs(
     )
     options = dict(temperature=temperature, chunk_size=chunk_size)
     logp_without, entropy = slot_logprobs(
-        model, hidden, batch.without_index, batch.response, with_entropy=True, **options
+        model, hidden, batch.without_index, batch.response, batch.head, with_entropy=True, **options
     )
     assert entropy is not None  # with_entropy
     if not with_rubric:
@@ -97,13 +97,21 @@ def response_logprobs(
         # stop-gradient: no backward pass over it.
         model = without_gradient(model)
         assert batch.rubric_tokens is not None and prefix is not None  # two_stream, and keys_values was asked
-        t, u = batch.tokens.shape[1], batch.rubric_tokens.shape[1]
-        cache = KVCache(*(jnp.pad(x, ((0, 0), (0, 0), (0, u), (0, 0), (0, 0))) for x in prefix))  # [L, R, T + U, K, H]
+        (rows, u), t = batch.rubric_tokens.shape, batch.tokens.shape[1]
+        # The stream's S rows are the batch's first: their keys and values, [L, S, T + U, K, H].
+        cache = KVCache(*(jnp.pad(x[:, :rows], ((0, 0), (0, 0), (0, u), (0, 0), (0, 0))) for x in prefix))
         slots = jnp.broadcast_to(t + jnp.arange(u, dtype=jnp.int32), batch.rubric_tokens.shape)
         hidden, _ = model.hidden_states(
             batch.rubric_tokens, batch.rubric_positions, mask=rubric_attention_mask(batch), cache=cache, slots=slots
         )
-    logp_with, _ = slot_logprobs(model, hidden, batch.with_index, batch.response, **options)
+        # The slots of the other rows have no rubric: the loss reads their log-probs without it.
+        b, n = batch.response.shape[0], batch.response.shape[0] // batch.tokens.shape[0] * rows
+        first = lambda x: x[:n]  # noqa: E731
+        logp_with, _ = slot_logprobs(
+            model, hidden, first(batch.with_index), first(batch.response), batch.head[:rows], **options
+        )
+        return jax.lax.stop_gradient(jnp.pad(logp_with, ((0, b - n), (0, 0)))), logp_without, entropy
+    logp_with, _ = slot_logprobs(model, hidden, batch.with_index, batch.response, batch.head, **options)
     return jax.lax.stop_gradient(logp_with), logp_without, entropy
 
 
@@ -112,13 +120,25 @@ def slot_logprobs(
     hidden: Float[jax.Array, "R T D"],
     index: Int[np.ndarray | jax.Array, "B Y"],
     targets: Int[np.ndarray | jax.Array, "B Y"],
+    head: Int[np.ndarray | jax.Array, "R M"] | None = None,
     **options,
 ) -> tuple[Float32[jax.Array, "B Y"], Float32[jax.Array, "B Y"] | None]:
     """``logprobs_at`` for sample slots over rows, ``B = R x k`` row-major (``orsd_jax.batch``);
-    ``T`` is the length of the stream read (``U`` for the with-rubric stream's rows)."""
+    ``T`` is the length of the stream read (``U`` for the with-rubric stream's rows). ``head``
+    (``Batch.head``): the LM head scores only these of each row's ``k x Y`` slot tokens, and the
+    others are 0; None: all of them."""
     (r, b), y = (hidden.shape[0], index.shape[0]), index.shape[1]
-    logp, entropy = logprobs_at(model, hidden, index.reshape(r, b // r * y), targets.reshape(r, b // r * y), **options)
-    return logp.reshape(b, y), None if entropy is None else entropy.reshape(b, y)
+    index, targets = index.reshape(r, b // r * y), targets.reshape(r, b // r * y)
+    if head is None:
+        logp, entropy = logprobs_at(model, hidden, index, targets, **options)
+        return logp.reshape(b, y), None if entropy is None else entropy.reshape(b, y)
+    # Index k x Y is no slot: a zero column scored and dropped (benchmarks/pack_rows.py: empty slots
+    # of rows of several samples cost the LM head otherwise).
+    pick = lambda x: jnp.take_along_axis(jnp.pad(x, ((0, 0), (0, 1))), head, axis=1)  # noqa: E731
+    logp, entropy = logprobs_at(model, hidden, pick(index), pick(targets), **options)
+    rows = jnp.arange(r)[:, None]
+    place = lambda x: jnp.zeros((r, b // r * y + 1), x.dtype).at[rows, head].set(x)[:, :-1].reshape(b, y)  # noqa: E731
+    return place(logp), None if entropy is None else place(entropy)
 
 
 def without_gradient(model: CausalLM) -> CausalLM:

@@ -11,7 +11,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from orsd_jax import distributed
-from orsd_jax.batch import Batch, StepSample, build_batch, prompt_groups
+from orsd_jax.batch import Batch, BatchShape, RowPlan, StepSample, build_batch, plan_rows, prompt_groups
 from orsd_jax.credit import RecordedMinibatch
 from orsd_jax.loss import OrsdLoss
 from orsd_jax.metrics_log import progress
@@ -28,6 +28,7 @@ class MinibatchSpec:
     row_tokens: int = 0  # packed rows at least this long (0: the longest sample)
     row_multiple: int = 1  # packed rows come in multiples of devices x micro-batches
     micro_batches: int = 1
+    seq_multiple: int = 128  # rows are padded to this many tokens (fewer compiled shapes)
     # Samples of one prompt in a minibatch share its forward (batch.build_batch): the same loss.
     share_prefix: bool = True
 
@@ -49,18 +50,37 @@ class TrainingPass:
     recorded: tuple[RecordedMinibatch, ...]
 
 
-def minibatch(samples: Sequence[StepSample], spec: MinibatchSpec) -> Batch:
+RESPONSE_MULTIPLE = 32  # responses are padded to this many tokens (fewer compiled shapes)
+ORDERS = ("shuffled", "by-prompt", "packed")  # TrainConfig.minibatch_order
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One optimizer step of an update: its samples (indices into the update's), and for the
+    ``packed`` order the samples of each row (positions in ``samples``) and the batch shape that
+    every step of the epoch shares."""
+
+    epoch: int
+    samples: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...] | None = None
+    shape: BatchShape | None = None
+
+
+def minibatch(samples: Sequence[StepSample], spec: MinibatchSpec, step: Step | None = None) -> Batch:
     """The step samples of one optimizer step as a batch: rows of several samples (``spec.pack``;
-    as many rows as they fill, a multiple of ``row_multiple``), or one per row (``spec.rows`` rows)."""
+    as many rows as they fill, a multiple of ``row_multiple``), or one per row (``spec.rows`` rows);
+    with a ``packed`` order's ``step``, its rows in its shape (``samples``: the step's)."""
     return build_batch(
         samples,
-        seq_multiple=128,
-        response_multiple=32,
+        seq_multiple=spec.seq_multiple,
+        response_multiple=RESPONSE_MULTIPLE,
         batch_multiple=spec.row_multiple if spec.pack else spec.rows,
         layout=spec.layout,
         pack=spec.pack,
         row_tokens=spec.row_tokens,
         share_prefix=spec.share_prefix,
+        rows=None if step is None else step.rows,
+        shape=None if step is None else step.shape,
     )
 
 
@@ -76,26 +96,119 @@ def epoch_orders(samples: Sequence[StepSample], epochs: int, rng: np.random.Gene
     return [np.asarray([i for g in rng.permutation(len(groups)) for i in groups[g]]) for _ in range(epochs)]
 
 
+def update_steps(
+    samples: Sequence[StepSample], epochs: int, rng: np.random.Generator, order: str, spec: MinibatchSpec
+) -> list[Step]:
+    """The update's optimizer steps, epoch after epoch, ``ceil(N / spec.rows)`` an epoch: the
+    samples in ``epoch_orders``' order, ``spec.rows`` a step; or (``packed``, ``packed_steps``) the
+    update's rows packed once and dealt out, so that every step of an epoch has one shape."""
+    if order not in ORDERS:
+        raise ValueError(f"unknown minibatch order {order!r}; one of {ORDERS}")
+    if order == "packed":
+        return [step for epoch in range(epochs) for step in packed_steps(samples, epoch, rng, spec)]
+    return [
+        Step(epoch, tuple(int(i) for i in perm[start : start + spec.rows]))
+        for epoch, perm in enumerate(epoch_orders(samples, epochs, rng, order))
+        for start in range(0, len(samples), spec.rows)
+    ]
+
+
+def packed_steps(
+    samples: Sequence[StepSample], epoch: int, rng: np.random.Generator, spec: MinibatchSpec
+) -> list[Step]:
+    """One epoch of the ``packed`` order: all its samples packed into rows at once (a prompt's
+    samples one segment, ``plan_rows``; first fit over the whole update fills rows better than
+    over a minibatch), the rows shuffled and dealt into ``ceil(N / spec.rows)`` steps, the rows
+    with a with-rubric stream and those without each as evenly as they go, so that every step
+    has about as many of each. Every step is padded to the one ``BatchShape``: the epoch's train
+    steps compile once. The row length is the one of ``row_lengths`` whose plan pads the fewest
+    slots (a row of twice the longest segment can hold two of the common shorter ones)."""
+    if not spec.pack:
+        raise ValueError("the packed order packs rows: it needs MinibatchSpec.pack")
+    perm = rng.permutation(len(samples))  # first fit breaks ties between equal lengths in this order
+    shuffled = [samples[i] for i in perm]
+    steps = -(-len(samples) // spec.rows)
+
+    def deal(plan: RowPlan) -> list[tuple[list[int], list[int]]]:
+        """Per step, its rows with a stream and its rows without (indices into ``plan.rows``)."""
+        n = min(steps, len(plan.rows))
+        streams = np.array_split(np.arange(plan.stream_rows), n)
+        others = np.array_split(np.arange(plan.stream_rows, len(plan.rows)), n)[::-1]  # evens the row counts
+        return [(a.tolist(), b.tolist()) for a, b in zip(streams, others)]
+
+    def cost(plan: RowPlan) -> tuple[int, int]:
+        dealt = deal(plan)
+        rows = _round_up(max(len(a) + len(b) for a, b in dealt), spec.row_multiple)
+        stream_rows = _round_up(max(len(a) for a, _ in dealt), spec.row_multiple)
+        return len(dealt) * (rows * plan.tokens + stream_rows * plan.stream), plan.tokens
+
+    def plan(row_tokens: int) -> RowPlan:
+        return plan_rows(
+            shuffled,
+            layout=spec.layout,
+            pack=True,
+            share_prefix=spec.share_prefix,
+            seq_multiple=spec.seq_multiple,
+            row_tokens=row_tokens,
+        )
+
+    chosen = min((plan(t) for t in row_lengths(plan(spec.row_tokens).tokens, spec.seq_multiple)), key=cost)
+    rows = [[int(perm[i]) for i in row] for row in chosen.rows]
+    # Shuffled within each kind (the dealing keeps the kinds' rows apart): which rows share a step.
+    order = np.concatenate(
+        [rng.permutation(chosen.stream_rows), chosen.stream_rows + rng.permutation(len(rows) - chosen.stream_rows)]
+    )
+    rows = [rows[r] for r in order]
+    dealt = [a + b for a, b in deal(chosen)]
+    slots, response = max(len(row) for row in rows), _round_up(max(len(s.response) for s in samples), RESPONSE_MULTIPLE)
+    head = max(sum(len(samples[i].response) for i in row) for row in rows)
+    shape = BatchShape(
+        rows=_round_up(max(len(d) for d in dealt), spec.row_multiple),
+        tokens=chosen.tokens,
+        stream=chosen.stream,
+        stream_rows=_round_up(max(len(a) for a, _ in deal(chosen)), spec.row_multiple),
+        slots=slots,
+        response=response,
+        head=min(slots * response, _round_up(head, RESPONSE_MULTIPLE)),
+    )
+    out = []
+    for d in dealt:
+        members = [rows[r] for r in d]
+        starts = np.cumsum([0, *(len(m) for m in members)])
+        at = tuple(tuple(range(a, e)) for a, e in zip(starts[:-1].tolist(), starts[1:].tolist()))
+        out.append(Step(epoch, tuple(i for m in members for i in m), at, shape))
+    return out
+
+
+def row_lengths(shortest: int, multiple: int) -> range:
+    """The row lengths ``packed_steps`` weighs: from the shortest that holds every segment up to
+    twice it, in steps of ``multiple``."""
+    return range(shortest, 2 * shortest + 1, multiple)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def train_minibatches(
     train_step,
     state: TrainState,
     samples: Sequence[StepSample],
-    orders: Sequence[np.ndarray],
+    steps: Sequence[Step],
     spec: MinibatchSpec,
     record: bool,
     reference=None,
 ) -> TrainingPass:
-    """Optimizer steps over ``samples``, one pass (PPO epoch) per permutation in ``orders``,
-    ``spec.rows`` at a time; ``reference``: the KL's frozen parameters."""
+    """The optimizer ``steps`` (``update_steps``) over ``samples``; ``record``: keep the per-token
+    values of the first epoch's; ``reference``: the KL's frozen parameters."""
     totals: dict[str, float] = {}
     weighted = {"loss": 0.0, "grad_norm": 0.0}  # per-step values, token-weighted
     counts = {"tokens": 0.0, "row_tokens": 0.0, "row_slots": 0.0}
     recorded: list[RecordedMinibatch] = []
-    passes = [(epoch, start) for epoch in range(len(orders)) for start in range(0, len(samples), spec.rows)]
     mismatch: dict[str, float] = {}
-    for epoch, start in progress(passes, "train"):
-        rows = orders[epoch][start : start + spec.rows].tolist()
-        batch = minibatch([samples[r] for r in rows], spec)
+    for step in progress(steps, "train"):
+        rows, epoch = list(step.samples), step.epoch
+        batch = minibatch([samples[r] for r in rows], spec, step)
         read, slots = batch.token_counts()
         counts["row_tokens"] += read
         counts["row_slots"] += slots

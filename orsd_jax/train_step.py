@@ -177,13 +177,14 @@ def loss_and_grads(
 
     ``batch`` is a ``Batch`` or any pytree of arrays with rows on their leading axis; an array
     whose leading axis is ``K`` times the row count holds ``K`` row-major sample slots per row
-    (a ``Batch`` of several samples per row, ``orsd_jax.batch``).
+    (a ``Batch`` of several samples per row, ``orsd_jax.batch``), and one of fewer rows than
+    ``batch.tokens`` holds the first rows' (a ``Batch``'s with-rubric stream).
 
     The batch is cut into ``micro_batches`` interleaved slices (rows ``m, m + M, ...`` with their
     slots), so each slice keeps rows from every device's shard; gradients of the loss *sums* are
     accumulated in float32 by a ``lax.scan`` and divided by the total token count once.
     """
-    b = min(x.shape[0] for x in jax.tree.leaves(batch))
+    b = batch.tokens.shape[0] if isinstance(batch, Batch) else min(x.shape[0] for x in jax.tree.leaves(batch))
     if b % micro_batches:
         raise ValueError(f"{b} rows do not split into {micro_batches} micro-batches")
 
@@ -198,9 +199,14 @@ def loss_and_grads(
         return (grads, {"loss": loss_sum, "tokens": count, **sums}), rows
 
     def split(x):  # [B K, ...] -> [M, B / M K, ...], micro-batch m = rows m, m + M, ... and their K slots
-        k = x.shape[0] // b
-        x = x.reshape(b // micro_batches, micro_batches, k, *x.shape[1:]).swapaxes(0, 1)
-        return x.reshape(micro_batches, b // micro_batches * k, *x.shape[3:])
+        # An array of fewer rows (a Batch's with-rubric stream: its first S rows) splits the same
+        # way, so that row i of it stays with row i of the others.
+        rows = b if x.shape[0] % b == 0 else x.shape[0]
+        if rows % micro_batches:
+            raise ValueError(f"{rows} rows of an array do not split into {micro_batches} micro-batches")
+        k = x.shape[0] // rows
+        x = x.reshape(rows // micro_batches, micro_batches, k, *x.shape[1:]).swapaxes(0, 1)
+        return x.reshape(micro_batches, rows // micro_batches * k, *x.shape[3:])
 
     def unsplit(x):  # the inverse of split
         k = x.shape[1] // (b // micro_batches)

@@ -31,7 +31,7 @@ from orsd_jax.checkpoints import refused_writes
 from orsd_jax.config import TrainConfig, from_json, to_json
 from orsd_jax.credit import RecordedMinibatch, save_credit
 from orsd_jax.metrics_log import MetricsLog, progress, timed
-from orsd_jax.minibatches import epoch_orders, train_minibatches, with_trainer_logprobs
+from orsd_jax.minibatches import train_minibatches, update_steps, with_trainer_logprobs
 from orsd_jax.models import CausalLM, save_hf
 from orsd_jax.rollout import Group, collect_groups, rollout_metrics, tasks_for_update
 from orsd_jax.rubrics import GroupRubric, ParsedBundle, generate_bundles, rubric_metrics, verify_and_select
@@ -213,13 +213,13 @@ def run_update(
         if played is None:
             played = Played((), (), None, tuple(samples), (), memory)
         rng = seeds.rng(c.seed, seeds.MINIBATCHES, update)
-        orders = epoch_orders(samples, c.ppo_epochs, rng, c.minibatch_order)
         spec = services.minibatch_spec
+        steps = update_steps(samples, c.ppo_epochs, rng, c.minibatch_order, spec)
         with timed(metrics, "train"):
             if c.old_logprobs == "trainer":
                 samples = with_trainer_logprobs(services.old_logprobs, state.params, samples, spec)
             record = c.credit_every and (update + 1) % c.credit_every == 0 or update + 1 == c.updates
-            trained = train_minibatches(services.train_step, state, samples, orders, spec, record, services.reference)
+            trained = train_minibatches(services.train_step, state, samples, steps, spec, record, services.reference)
         without_rubric = ("gap", "rubric_token_frac")  # meaningless without a rubric stage
         for k, v in trained.metrics.items():
             if c.uses_rubrics or not k.startswith(without_rubric):

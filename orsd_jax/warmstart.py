@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from orsd_jax import chat
-from orsd_jax.batch import Batch, StepSample, build_batch, tree_attention_mask
+from orsd_jax.batch import Batch, BatchShape, StepSample, build_batch, tree_attention_mask
 from orsd_jax.demos import Demonstration, alfworld_walkthrough, walkthrough_demos, write_jsonl
 from orsd_jax.envs.base import Task, TextEnv
 from orsd_jax.loss import response_logprobs
@@ -157,14 +157,17 @@ def finetune_plan(samples: Sequence[StepSample], config: FinetuneConfig, *, devi
         if config.batch_size % (devices * config.micro_batches):
             raise ValueError(f"batch_size {config.batch_size} rows do not split over {devices} devices x micro-batches")
         plans = [packed_steps(lengths, order, config.batch_size, config.pack_tokens) for order in orders]
-        make = functools.partial(
-            _packed_batch,
-            samples,
+        rows = [row for plan in plans for step in plan for row in step]
+        shape = BatchShape(
             rows=config.batch_size,
             tokens=config.pack_tokens,
-            slots=max(len(row) for plan in plans for rows in plan for row in rows),
+            stream=0,
+            stream_rows=0,
+            slots=max(len(row) for row in rows),
             response=max(len(s.response) for s in samples),
+            head=max(sum(len(samples[i].response) for i in row) for row in rows),
         )
+        make = functools.partial(_packed_batch, samples, shape=shape)
         epochs = [[make(rows) for rows in plan] for plan in plans]
     else:
         by_size = [
@@ -208,22 +211,12 @@ def packed_steps(lengths: Sequence[int], order: Sequence[int], rows: int, tokens
     return steps
 
 
-def _packed_batch(
-    samples: Sequence[StepSample], step: Sequence[Sequence[int]], *, rows: int, tokens: int, slots: int, response: int
-) -> tuple[list[int], Batch]:
-    """One update of ``packed_steps`` as a batch of the one shape every update has: ``rows`` rows of
-    ``tokens``, ``slots`` samples a row, responses padded to the longest of the warm start."""
+def _packed_batch(samples: Sequence[StepSample], step: Sequence[Sequence[int]], *, shape: BatchShape) -> IndexedBatch:
+    """One update of ``packed_steps`` as a batch of the one ``shape`` every update has."""
     indices = [i for row in step for i in row]
     at = {i: n for n, i in enumerate(indices)}
     batch = build_batch(
-        [samples[i] for i in indices],
-        seq_multiple=tokens,
-        response_multiple=response,
-        batch_multiple=rows,
-        pack=True,
-        row_tokens=tokens,
-        rows=[[at[i] for i in row] for row in step],
-        slots=slots,
+        [samples[i] for i in indices], pack=True, rows=[[at[i] for i in row] for row in step], shape=shape
     )
     return indices, batch
 

@@ -23,7 +23,7 @@ from orsd_jax.config import preset
 from orsd_jax.credit import load_credit, load_samples, recorded_updates, run_tokenizer, token_pieces
 from orsd_jax.credit_html import gap_colour
 from orsd_jax.loss import LossConfig, OrsdLoss
-from orsd_jax.minibatches import train_minibatches
+from orsd_jax.minibatches import Step, train_minibatches
 from orsd_jax.models import EMBEDDED, resolve
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
 from orsd_jax.trainer import train
@@ -130,7 +130,8 @@ def test_update_metrics_are_exact_over_minibatches(tmp_path, pack_rows):
     graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, make_mesh(1))
     step = make_train_step(OrsdLoss(config.loss), optimizer, graphdef, sharding)
     samples = make_samples((True, True, True, False, False, True))  # minibatches with 2, 1 and 1 rubric rows
-    trained = train_minibatches(step, state, samples, [np.arange(6)], config.minibatch_spec(), record=True)
+    steps = [Step(0, (i, i + 1)) for i in range(0, 6, 2)]
+    trained = train_minibatches(step, state, samples, steps, config.minibatch_spec(), record=True)
     metrics, counts, recorded = trained.metrics, trained.counts, trained.recorded
     tokens = counts["tokens"]
     assert len(recorded) == 3

@@ -156,9 +156,9 @@ def test_warm_start_flops_match_xla():
 
 @pytest.mark.parametrize("layout", ["packed", "two-stream"])
 def test_step_flops_of_rows_of_two_samples_match_xla(layout):
-    """Rows of two sample slots run the LM head at both responses' positions: with a large vocabulary
-    (the head is most of the work) ``step_flops`` stays within 10% of XLA's count of the train
-    step; counting one response a row gives 0.85-0.88."""
+    """Rows of two sample slots run the LM head at their responses' positions only (``Batch.head``:
+    32 a row here, not the slots' 2 x 32): with a large vocabulary (the head is most of the work)
+    ``step_flops`` stays within 10% of XLA's count of the train step."""
     config = dataclasses.replace(LLAMA, vocab_size=8192, num_layers=1)  # one layer: XLA counts a scan body once
     graphdef, params = nnx.split(CausalLM(config, nnx.Rngs(0)))
     rng = np.random.RandomState(0)
@@ -167,11 +167,11 @@ def test_step_flops_of_rows_of_two_samples_match_xla(layout):
             prefix=rng.randint(0, 512, n).tolist(),
             insert=rng.randint(0, 512, 40).tolist(),
             tail=[1, 2],
-            response=rng.randint(0, 512, 32).tolist(),
-            old_logprobs=[-1.0] * 32,
+            response=rng.randint(0, 512, y).tolist(),
+            old_logprobs=[-1.0] * y,
             advantage=1.0,
         )
-        for n in (200, 150, 90, 240)
+        for n, y in [(200, 20), (150, 8), (90, 12), (240, 4)]
     ]
     batch = build_batch(
         samples,
@@ -183,7 +183,7 @@ def test_step_flops_of_rows_of_two_samples_match_xla(layout):
         slots=2,
         layout=layout,
     )
-    assert batch.response.shape[0] == 2 * batch.tokens.shape[0]
+    assert batch.response.shape == (4, 32) and batch.head.shape == (2, 32)
     loss = OrsdLoss(LossConfig(chunk_size=64))
     xla = jax.jit(lambda p, b: loss_and_grads(loss, graphdef, p, b)[0]).lower(params, batch).compile().cost_analysis()
     assert 0.9 < step_flops(config, batch) / xla["flops"] < 1.1

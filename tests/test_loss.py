@@ -341,7 +341,8 @@ def test_row_tokens_let_long_samples_share_a_row():
 
 
 def test_packed_rows_by_hand():
-    """First fit by decreasing length: the two short samples share a row, in slots 0 and 1."""
+    """First fit by decreasing length, samples with a with-rubric stream first: the two short
+    samples share a row, the one with a rubric in slot 0; both rows hold a stream."""
     long = StepSample(
         prefix=[1, 2, 3, 4], insert=[9], tail=[5], response=[6, 7], old_logprobs=[-1.0, -1.0], advantage=1.0
     )
@@ -357,19 +358,21 @@ def test_packed_rows_by_hand():
         for i in range(2)
     ]
     b = build_batch([short[0], long, short[1]], seq_multiple=8, response_multiple=2, layout="two-stream", pack=True)
-    np.testing.assert_array_equal(b.tokens, [[1, 2, 3, 4, 5, 6, 7, 0], [10, 20, 30, 11, 21, 31, 0, 0]])
+    np.testing.assert_array_equal(b.tokens, [[1, 2, 3, 4, 5, 6, 7, 0], [11, 21, 31, 10, 20, 30, 0, 0]])
     np.testing.assert_array_equal(b.positions[1], [0, 1, 2, 0, 1, 2, 0, 0])
     np.testing.assert_array_equal(b.segment, [[0] * 7 + [-1], [0, 0, 0, 1, 1, 1, -1, -1]])
-    np.testing.assert_array_equal(b.sample, [1, -1, 0, 2])  # slots: row-major, 2 per row
-    np.testing.assert_array_equal(b.sample_slots(), [2, 0, 3])
-    np.testing.assert_array_equal(b.without_index[[2, 3], 0], [1, 4])  # 30 follows 20; 31 follows 21
+    np.testing.assert_array_equal(b.sample, [1, -1, 2, 0])  # slots: row-major, 2 per row
+    np.testing.assert_array_equal(b.sample_slots(), [3, 0, 2])
+    np.testing.assert_array_equal(b.without_index[[2, 3], 0], [1, 4])  # 31 follows 21; 30 follows 20
+    assert b.rubric_tokens.shape == (2, 8)  # both rows hold a stream
     np.testing.assert_array_equal(b.rubric_tokens[1], [41, 21, 31, 0, 0, 0, 0, 0])
-    np.testing.assert_array_equal(b.rubric_segment[1], [1, 1, 1, -1, -1, -1, -1, -1])
-    np.testing.assert_array_equal(b.with_index[3, 0], 1)  # 31 follows 21 in the rubric stream
+    np.testing.assert_array_equal(b.rubric_segment[1], [0, 0, 0, -1, -1, -1, -1, -1])
+    np.testing.assert_array_equal(b.with_index[2, 0], 1)  # 31 follows 21 in the rubric stream
+    np.testing.assert_array_equal(b.head, [[0, 1], [0, 2]])  # the LM head: real slot tokens (not row 0 slot 1)
     mask = np.asarray(tree_attention_mask(jnp.asarray(b.branch), jnp.asarray(b.segment)))[1].astype(int)
-    assert mask[4].tolist() == [0, 0, 0, 1, 1, 0, 0, 0]  # sample 2 sees only its own tokens
+    assert mask[4].tolist() == [0, 0, 0, 1, 1, 0, 0, 0]  # sample 0 sees only its own tokens
     seen = np.asarray(rubric_attention_mask(b))[1].astype(int)
-    assert seen[1].tolist() == [0, 0, 0, 1, 0, 0, 0, 0] + [1, 1, 0, 0, 0, 0, 0, 0]  # its prefix (slot 3) and itself
+    assert seen[1].tolist() == [1, 0, 0, 0, 0, 0, 0, 0] + [1, 1, 0, 0, 0, 0, 0, 0]  # its prefix (slot 0) and itself
 
 
 @pytest.mark.parametrize("layout, shared", [("packed", False), ("two-stream", False), ("two-stream", True)])

@@ -1,6 +1,7 @@
 """The train step: exact micro-batching, the optimizer, FSDP specs, (in a 4-device subprocess) the
 sharded step against the single-device one, and the epochs' minibatch orders."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -20,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from orsd_jax import seeds
 from orsd_jax.batch import build_batch
 from orsd_jax.loss import OrsdLoss
-from orsd_jax.minibatches import epoch_orders
+from orsd_jax.minibatches import MinibatchSpec, epoch_orders, minibatch, update_steps
 from orsd_jax.train_step import OptimizerConfig, fsdp_spec, loss_and_grads, make_mesh, make_optimizer
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -31,16 +32,25 @@ def _loss_and_grads(params, batch, micro_batches):
     return loss_and_grads(OrsdLoss(LOSS), tiny_model()[0], params, batch, micro_batches)
 
 
-@pytest.mark.parametrize("layout, pack", [("packed", False), ("two-stream", True)])
-def test_four_micro_batches_equal_one_batch(layout, pack):
+MIXED = (True, False, True, True, False, True, False, True)
+
+
+@pytest.mark.parametrize(
+    "layout, pack, rubrics, micro",
+    [("packed", False, MIXED, 4), ("two-stream", True, MIXED, 4), ("two-stream", True, (True,) + (False,) * 7, 2)],
+)
+def test_micro_batches_equal_one_batch(layout, pack, rubrics, micro):
     # Eight samples of different response lengths: a mean of micro-batch means would differ. With
-    # ``pack`` rows hold several samples, and a micro-batch takes its rows' sample slots along.
-    samples = make_samples((True, False, True, True, False, True, False, True), seed=1)
-    batch = build_batch(samples, seq_multiple=16, batch_multiple=4, layout=layout, pack=pack)
+    # ``pack`` rows hold several samples, and a micro-batch takes its rows' sample slots along, and
+    # the rows of the with-rubric stream (the first ones) when it has fewer.
+    samples = make_samples(rubrics, seed=1)
+    batch = build_batch(samples, seq_multiple=16, batch_multiple=micro, layout=layout, pack=pack)
     assert (batch.response.shape[0] > batch.tokens.shape[0]) == pack
+    if rubrics.count(True) == 1:
+        assert batch.rubric_tokens.shape[0] == micro < batch.tokens.shape[0]  # one stream row, padded
     params = tiny_model()[1]
     grads, loss, metrics, values = _loss_and_grads(params, batch, 1)
-    grads4, loss4, metrics4, values4 = _loss_and_grads(params, batch, 4)
+    grads4, loss4, metrics4, values4 = _loss_and_grads(params, batch, micro)
     np.testing.assert_allclose(float(loss4), float(loss), atol=1e-5, rtol=0)
     assert_trees_close(grads4, grads)
     assert_trees_close(values4, values)  # per-token values back in row order
@@ -157,3 +167,44 @@ def test_by_prompt_order_keeps_a_prompts_samples_together():
     assert len({tuple(o) for epochs in orders for o in epochs}) > 1  # the prompts' order is shuffled
     with pytest.raises(ValueError, match="minibatch order"):
         epoch_orders(samples, 1, seeds.rng(0), "sorted")
+
+
+def test_packed_order_deals_the_updates_rows_in_one_shape():
+    """``minibatch_order="packed"``: each epoch holds every sample once, a prompt's samples in one
+    row, ``ceil(N / rows)`` steps of one batch shape; each step's loss equals that of the same
+    samples packed on their own (``build_batch``'s own rows: the padding and the other rows add
+    nothing), and samples that do not fit a shape are refused."""
+    prompt_of = (0, 1, 0, 3, 1, 0, 6, 7, 3, 9, 10)
+    samples = make_samples((True, False, True, True, False, True, False, False, True, True, False), prompt_of=prompt_of)
+    spec = MinibatchSpec(rows=4, layout="two-stream", row_multiple=2, seq_multiple=16)
+    steps = update_steps(samples, 2, seeds.rng(0, 1), "packed", spec)
+    assert [s.epoch for s in steps] == [0, 0, 0, 1, 1, 1]  # ceil(11 / 4) a epoch
+    params = tiny_model()[1]
+    for epoch in (0, 1):
+        dealt = [i for s in steps if s.epoch == epoch for i in s.samples]
+        assert sorted(dealt) == list(range(11))
+    assert len({s.shape for s in steps}) == 1 and steps[0].shape.rows % 2 == 0
+    for step in steps:
+        chosen = [samples[i] for i in step.samples]
+        rows = [[step.samples[j] for j in row] for row in step.rows]
+        for prompt in {prompt_of[i] for i in step.samples}:  # a prompt's samples share a row
+            assert sum(any(prompt_of[i] == prompt for i in row) for row in rows) == 1
+        batch = minibatch(chosen, spec, step)
+        shape = step.shape
+        if step.epoch:  # the loss below: the first epoch's steps (their compilations are the test's time)
+            continue
+        assert batch.tokens.shape == (shape.rows, shape.tokens)
+        assert batch.response.shape == (shape.rows * shape.slots, shape.response)
+        assert batch.rubric_tokens is None or batch.rubric_tokens.shape == (shape.rows, shape.stream)
+        own = build_batch(chosen, seq_multiple=16, layout="two-stream", pack=True, share_prefix=True)
+        (_, got, got_metrics, _), (_, want, want_metrics, _) = (_loss_and_grads(params, b, 1) for b in (batch, own))
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-5, atol=1e-6)
+        for name in ("sum/gap", "sum/rubric_tokens", "tokens"):
+            np.testing.assert_allclose(float(got_metrics[name]), float(want_metrics[name]), rtol=1e-5, atol=1e-5)
+    assert len({s.samples for s in steps}) == 6  # the epochs deal different rows
+    first = next(s for s in steps if 0 in s.samples)  # prompt 0's three samples: a row of 3 slots at least
+    chosen = [samples[i] for i in first.samples]
+    with pytest.raises(ValueError, match="slots"):
+        minibatch(chosen, spec, dataclasses.replace(first, shape=dataclasses.replace(first.shape, slots=2)))
+    with pytest.raises(ValueError, match="more than its"):
+        minibatch(chosen, spec, dataclasses.replace(first, shape=dataclasses.replace(first.shape, tokens=8)))
