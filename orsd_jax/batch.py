@@ -31,7 +31,9 @@ With ``build_batch(pack=True)`` a row holds several samples one after another, e
 (``segment``, ``rubric_segment``: its slot in the row) that attends only to itself, so rows of
 short and long prompts waste fewer padding slots. Per-sample arrays then have ``B = R x k``
 slots, row-major (slot ``b`` is in row ``b // k``), and ``sample`` names the input sample in
-each.
+each; ``head`` names the slot tokens of each row that the LM head scores (its real response
+tokens). The with-rubric stream has rows only for the first ``S`` rows, those holding a sample
+with a rubric.
 
 With ``share_prefix`` the samples of one prompt (``prompt_key``: a group's episodes at a state they
 reached by the same steps; docs/benchmarks.md, "Shared prompts") are one segment: the prefix once, then each sample's branches, member ``q``'s numbered
@@ -185,7 +187,7 @@ def _check(i: int, s: StepSample) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Segment:
-    """The samples of one prefix in a row (one sample unless ``share_prefix``), and in the
+    """The samples of one prompt in a row (one sample unless ``share_prefix``), and in the
     two-stream layout in the with-rubric stream's row; indices are relative to the segment's start
     in the row (``with_index`` of the two-stream layout: in the stream). Member ``q`` of the segment
     has the branch ids ``WITH + 2 q`` and ``WITHOUT + 2 q``."""
@@ -358,9 +360,10 @@ def build_batch(
     """Packs step samples into a ``Batch`` of numpy arrays in ``layout`` (``LAYOUTS``, see the
     module docstring).
 
-    Without ``pack`` each row holds one sample, in order. With ``pack``, rows hold as many
-    samples as fit in the longest sample's padded length (first fit by decreasing length), each
-    a segment of its own, so fewer padding slots are computed; the sample slots (``B = rows x
+    Without ``pack`` each row holds one segment, in order (rows with a with-rubric stream first).
+    With ``pack``, rows hold as many samples as fit in the longest sample's padded length (first
+    fit by decreasing length, the samples with a with-rubric stream first: ``plan_rows``), each a
+    segment of its own, so fewer padding slots are computed; the sample slots (``B = rows x
     K``, K the most samples in a row) are row-major and ``Batch.sample`` says which input sample
     each holds; ``row_tokens`` makes packed rows at least that long, so that samples longer than
     half the longest one can share rows too; ``rows`` (with ``pack``) gives the samples of each row

@@ -201,7 +201,7 @@ def test_correction_and_gap_metrics_by_hand():
 
 @functools.cache
 def reference_case(shared: bool = False):
-    """Samples (``shared``: several of one prefix), and the value and gradient of the ORSD objective
+    """Samples (``shared``: several of one prompt), and the value and gradient of the ORSD objective
     written independently: two plain forwards per sample, the with-rubric log-probs computed once
     as constants, a token mean."""
     samples = make_samples(RUBRIC_ROWS, prompt_of=SHARED_PROMPTS if shared else None)
@@ -277,7 +277,7 @@ def test_rows_of_several_samples_equal_two_forwards(layout):
 
 @pytest.mark.parametrize("layout, pack", [("packed", False), ("two-stream", False), ("two-stream", True)])
 def test_shared_prefixes_equal_two_forwards(layout, pack):
-    """``share_prefix``: the samples of one prefix (with and without a rubric) are branches of one
+    """``share_prefix``: the samples of one prompt (with and without a rubric) are branches of one
     segment; the loss and gradients are the independent objective's."""
     samples, reference = reference_case(shared=True)
     batch = build_batch(samples, seq_multiple=16, response_multiple=4, layout=layout, pack=pack, share_prefix=True)
