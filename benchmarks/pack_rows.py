@@ -34,7 +34,7 @@ from orsd_jax import chat
 from orsd_jax.batch import StepSample, prompt_groups
 from orsd_jax.config import preset
 from orsd_jax.credit import load_samples
-from orsd_jax.estimate import step_flops
+from orsd_jax.estimate import attention_tokens, step_flops
 from orsd_jax.loss import OrsdLoss
 from orsd_jax.minibatches import MinibatchSpec, Step, minibatch, train_minibatches, update_steps
 from orsd_jax.models import EMBEDDED, load_model
@@ -105,7 +105,9 @@ def main() -> None:
     samples = recorded or step_samples(args, tokenizer, model.config.vocab_size)
     optimizer = make_optimizer(base.optimizer, frozen_layers=base.model.frozen_layers)
     graphdef, state, sharding = init_train_state(model, optimizer, make_mesh(1))
-    spec = dataclasses.replace(base.minibatch_spec(), share_prefix=False)
+    spec = dataclasses.replace(
+        base.minibatch_spec(), share_prefix=False, attention_tokens=attention_tokens(model.config)
+    )
     shared = dataclasses.replace(spec, share_prefix=True)
     configs = {
         # The default before the two-stream replay and packed rows (931436c's).

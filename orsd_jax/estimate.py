@@ -68,6 +68,18 @@ def layer_params(c: ModelConfig) -> int:
     return attention + 3 * c.hidden_size * c.intermediate_size + norms
 
 
+# On CPU a score's softmax and mask cost about what its two matmuls do: the rows of 512, 768 and
+# 1,024 tokens of one cpu-demo update trained in 87.2, 76.4 and 77.2 s (docs/benchmarks.md, "The
+# update packed at once"), which the row cost of ``minibatches.packed_steps`` fits with this factor.
+ATTENTION_OVERHEAD = 2.0
+
+
+def attention_tokens(c: ModelConfig) -> float:
+    """The row length at which a token's attention (its matmuls, 4 x heads x head_dim a key, times
+    ``ATTENTION_OVERHEAD``) costs what its layers' weights do: 1,536 for SmolLM2-135M."""
+    return 2 * layer_params(c) / (ATTENTION_OVERHEAD * 4 * c.num_heads * c.head_dim)
+
+
 def param_count(c: ModelConfig) -> int:
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     return embeddings + c.num_layers * layer_params(c) + c.hidden_size

@@ -29,6 +29,9 @@ class MinibatchSpec:
     row_multiple: int = 1  # packed rows come in multiples of devices x micro-batches
     micro_batches: int = 1
     seq_multiple: int = 128  # rows are padded to this many tokens (fewer compiled shapes)
+    # The packed order weighs a row of t tokens reading s keys as t (1 + s / attention_tokens)
+    # (estimate.attention_tokens, from the model; 0: as t, its slots alone).
+    attention_tokens: float = 0.0
     # Samples of one prompt in a minibatch share its forward (batch.build_batch): the same loss.
     share_prefix: bool = True
 
@@ -121,8 +124,10 @@ def packed_steps(
     over a minibatch), the rows shuffled and dealt into ``ceil(N / spec.rows)`` steps, the rows
     with a with-rubric stream and those without each as evenly as they go, so that every step
     has about as many of each. Every step is padded to the one ``BatchShape``: the epoch's train
-    steps compile once. The row length is the one of ``row_lengths`` whose plan pads the fewest
-    slots (a row of twice the longest segment can hold two of the common shorter ones)."""
+    steps compile once. The row length is the one of ``row_lengths`` whose plan costs least: the
+    fewest padded slots, weighed by the keys each reads (``MinibatchSpec.attention_tokens``; a row
+    of twice the longest segment can hold two of the common shorter ones, but its attention reads
+    twice the keys)."""
     if not spec.pack:
         raise ValueError("the packed order packs rows: it needs MinibatchSpec.pack")
     perm = rng.permutation(len(samples))  # first fit breaks ties between equal lengths in this order
@@ -136,11 +141,15 @@ def packed_steps(
         others = np.array_split(np.arange(plan.stream_rows, len(plan.rows)), n)[::-1]  # evens the row counts
         return [(a.tolist(), b.tolist()) for a, b in zip(streams, others)]
 
-    def cost(plan: RowPlan) -> tuple[int, int]:
+    def row(tokens: int, keys: int) -> float:
+        return tokens * (1 + keys / spec.attention_tokens) if spec.attention_tokens else tokens
+
+    def cost(plan: RowPlan) -> tuple[float, int]:
         dealt = deal(plan)
         rows = _round_up(max(len(a) + len(b) for a, b in dealt), spec.row_multiple)
         stream_rows = _round_up(max(len(a) for a, _ in dealt), spec.row_multiple)
-        return len(dealt) * (rows * plan.tokens + stream_rows * plan.stream), plan.tokens
+        t, u = plan.tokens, plan.stream
+        return len(dealt) * (rows * row(t, t) + stream_rows * row(u, t + u)), t
 
     def plan(row_tokens: int) -> RowPlan:
         return plan_rows(

@@ -20,6 +20,7 @@ from orsd_jax.checkpoints import Checkpoints
 from orsd_jax.config import TrainConfig
 from orsd_jax.envs.base import Task, TextEnv
 from orsd_jax.envs.pool import EnvPool
+from orsd_jax.estimate import attention_tokens
 from orsd_jax.loss import OrsdLoss, response_logprobs
 from orsd_jax.models import CausalLM, ModelConfig, cache_dir, load_model, load_tokenizer, resolve, save_hf
 from orsd_jax.rollout import PromptBuilder
@@ -222,7 +223,9 @@ class Services:
                 f"minibatch_rows {config.minibatch_rows} must divide into {mesh.size} devices "
                 f"x {config.micro_batches} micro-batches"
             )
-        self.minibatch_spec = config.minibatch_spec()
+        self.minibatch_spec = dataclasses.replace(
+            config.minibatch_spec(), attention_tokens=attention_tokens(model.config)
+        )
         optimizer = make_optimizer(config.optimizer, frozen_layers=config.model.frozen_layers)
         self.graphdef, self.initial_state, self.sharding = init_train_state(model, optimizer, mesh, config.fsdp)
         # The KL's reference policy: the initial policy's parameters, placed once like the policy's

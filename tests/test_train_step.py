@@ -19,7 +19,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from orsd_jax import seeds
-from orsd_jax.batch import build_batch
+from orsd_jax.batch import StepSample, build_batch
 from orsd_jax.loss import OrsdLoss
 from orsd_jax.minibatches import MinibatchSpec, epoch_orders, minibatch, update_steps
 from orsd_jax.train_step import OptimizerConfig, fsdp_spec, loss_and_grads, make_mesh, make_optimizer
@@ -208,3 +208,18 @@ def test_packed_order_deals_the_updates_rows_in_one_shape():
         minibatch(chosen, spec, dataclasses.replace(first, shape=dataclasses.replace(first.shape, slots=2)))
     with pytest.raises(ValueError, match="more than its"):
         minibatch(chosen, spec, dataclasses.replace(first, shape=dataclasses.replace(first.shape, tokens=8)))
+
+
+def test_packed_order_weighs_the_keys_a_row_reads():
+    """Eight 20-token samples: rows of 40 tokens pair them (fewer padded slots than rows of 24), and
+    the packed order takes them; when attention weighs in (``attention_tokens``: a row of t tokens
+    costs t (1 + t / 16)) pairs read too many keys, and rows of one sample win."""
+    samples = [
+        StepSample(prefix=[i] * 16, tail=[1], response=[2, 3, 4], old_logprobs=[-1.0] * 3, advantage=1.0)
+        for i in range(8)
+    ]
+    spec = MinibatchSpec(rows=4, layout="packed", seq_multiple=8)
+    plain = update_steps(samples, 1, seeds.rng(0), "packed", spec)
+    weighed = update_steps(samples, 1, seeds.rng(0), "packed", dataclasses.replace(spec, attention_tokens=16.0))
+    assert [s.shape.tokens for s in plain] == [40, 40] and plain[0].shape.rows == 2
+    assert [s.shape.tokens for s in weighed] == [24, 24] and weighed[0].shape.rows == 4
