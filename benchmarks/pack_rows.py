@@ -13,7 +13,7 @@ tree-mask layout. With ``--prompts`` fewer than the samples, some samples repeat
 prompt (a group's episodes that took the same steps); "shared prompts" computes each prompt once
 per minibatch (``MinibatchSpec.share_prefix``, the other rows do not), "shared, by prompt" also
 orders the samples by prompt and "shared, packed" packs the whole update's rows at once and deals
-them out (``TrainConfig.minibatch_order``). ``--samples-from`` replays a real
+them out (``TrainConfig.minibatch_order``; "shared, packed, >= N": rows of at least N tokens). ``--samples-from`` replays a real
 update's step samples instead (a run's recorded update: ``orsd_jax.credit.load_samples``). Each configuration runs one warm-up update (its compilations, reported apart) and
 then ``--reps`` timed updates, interleaved; the table gives medians, the padded slots the forwards
 computed, the fill (tokens / slots), and the speed-up and FLOP ratio against the first
@@ -118,6 +118,7 @@ def main() -> None:
         "shared prompts": (shared, "shuffled"),
         "shared, by prompt": (shared, "by-prompt"),
         "shared, packed": (shared, "packed"),
+        **{f"shared, packed, >= {n}": (dataclasses.replace(shared, row_tokens=n), "packed") for n in args.row_tokens},
     }
     unknown = set(args.configs or ()) - set(configs)
     if unknown:

@@ -68,9 +68,9 @@ def layer_params(c: ModelConfig) -> int:
     return attention + 3 * c.hidden_size * c.intermediate_size + norms
 
 
-# On CPU a score's softmax and mask cost about what its two matmuls do: the rows of 512, 768 and
-# 1,024 tokens of one cpu-demo update trained in 87.2, 76.4 and 77.2 s (docs/benchmarks.md, "The
-# update packed at once"), which the row cost of ``minibatches.packed_steps`` fits with this factor.
+# On CPU a score's softmax and mask cost about what its two matmuls do: one cpu-demo update packed
+# in rows of 512, 768 and 1,024 tokens trained in 87.2, 76.4 and 77.2 s, which the row cost of
+# ``minibatches.packed_steps`` fits with this factor (docs/benchmarks.md, "The update packed at once").
 ATTENTION_OVERHEAD = 2.0
 
 
