@@ -36,8 +36,9 @@ tokens). The with-rubric stream has rows only for the first ``S`` rows, those ho
 with a rubric.
 
 With ``share_prefix`` the samples of one prompt (``prompt_key``: a group's episodes at a state they
-reached by the same steps; docs/benchmarks.md, "Shared prompts") are one segment: the prefix once, then each sample's branches, member ``q``'s numbered
-``WITH + 2 q`` and ``WITHOUT + 2 q``, so that each attends to the prefix and to itself only::
+reached by the same steps; docs/benchmarks.md, "Shared prompts") are one segment: the prefix once,
+then each sample's branches, member ``q``'s numbered ``WITH + 2 q`` and ``WITHOUT + 2 q``, so that
+each attends to the prefix and to itself only::
 
     tokens          prefix | tail response_0 | tail response_1 | ...   (the without-rubric stream)
     branch          0 ...  | 2 ...           | 4 ...           |

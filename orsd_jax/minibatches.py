@@ -161,6 +161,8 @@ def packed_steps(
             row_tokens=row_tokens,
         )
 
+    # From the shortest rows that hold every segment (planned again at that floor: its stream is
+    # at least half a row, as every candidate's).
     chosen = min((plan(t) for t in row_lengths(plan(spec.row_tokens).tokens, spec.seq_multiple)), key=cost)
     rows = [[int(perm[i]) for i in row] for row in chosen.rows]
     # Shuffled within each kind (the dealing keeps the kinds' rows apart): which rows share a step.
@@ -168,14 +170,15 @@ def packed_steps(
         [rng.permutation(chosen.stream_rows), chosen.stream_rows + rng.permutation(len(rows) - chosen.stream_rows)]
     )
     rows = [rows[r] for r in order]
-    dealt = [a + b for a, b in deal(chosen)]
+    kinds = deal(chosen)
+    dealt = [a + b for a, b in kinds]
     slots, response = max(len(row) for row in rows), _round_up(max(len(s.response) for s in samples), RESPONSE_MULTIPLE)
     head = max(sum(len(samples[i].response) for i in row) for row in rows)
     shape = BatchShape(
         rows=_round_up(max(len(d) for d in dealt), spec.row_multiple),
         tokens=chosen.tokens,
         stream=chosen.stream,
-        stream_rows=_round_up(max(len(a) for a, _ in deal(chosen)), spec.row_multiple),
+        stream_rows=_round_up(max(len(a) for a, _ in kinds), spec.row_multiple),
         slots=slots,
         response=response,
         head=min(slots * response, _round_up(head, RESPONSE_MULTIPLE)),
