@@ -71,6 +71,7 @@ response ``y`` in the diagrams.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import flax.struct
@@ -130,6 +131,9 @@ class Batch:
     positions: Int32[np.ndarray | jax.Array, "R T"]
     branch: Int32[np.ndarray | jax.Array, "R T"]  # SHARED, WITH, WITHOUT or PAD
     segment: Int32[np.ndarray | jax.Array, "R T"]  # the token's segment in its row, PAD for padding
+    # The last index of the token's subtree in its row (PAD for padding): query i attends key j iff
+    # j <= i <= reach[j] (``attention_mask``), whatever tree the row holds.
+    reach: Int32[np.ndarray | jax.Array, "R T"]
     sample: Int32[np.ndarray | jax.Array, " B"]  # the input sample in each slot, -1 for an empty one
     response: Int32[np.ndarray | jax.Array, "B Y"]  # the response tokens
     # Index in the slot's row whose output predicts response[:, j] with the rubric (two-stream: in rubric_tokens).
@@ -152,6 +156,9 @@ class Batch:
     # SHARED for a segment's [insert tail], its sample's WITH branch for its response, or PAD.
     rubric_branch: Int32[np.ndarray | jax.Array, "S U"] | None = None
     rubric_segment: Int32[np.ndarray | jax.Array, "S U"] | None = None  # as ``segment``
+    rubric_reach: Int32[np.ndarray | jax.Array, "S U"] | None = None  # as ``reach``, in the stream
+    # The last token of the prefix the stream token reads, in the row: it sees that token's ancestors.
+    rubric_anchor: Int32[np.ndarray | jax.Array, "S U"] | None = None
 
     @property
     def two_stream(self) -> bool:
@@ -188,65 +195,86 @@ def _check(i: int, s: StepSample) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Segment:
-    """The samples of one prompt in a row (one sample unless ``share_prefix``), and in the
-    two-stream layout in the with-rubric stream's row; indices are relative to the segment's start
-    in the row (``with_index`` of the two-stream layout: in the stream). Member ``q`` of the segment
-    has the branch ids ``WITH + 2 q`` and ``WITHOUT + 2 q``."""
+    """Samples laid out as one tree in a row (one sample unless ``share_prefix``), and in the
+    two-stream layout in the with-rubric stream's row. Indices are relative to the segment's start
+    in the row (``with_index`` of the two-stream layout and ``rubric_reach``: in its stream). Member
+    ``q`` of the segment has the branch ids ``WITH + 2 q`` and ``WITHOUT + 2 q``."""
 
     tokens: list[int]
     positions: list[int]
     branch: list[int]
+    reach: list[int]  # the last index of each token's subtree (``Batch.reach``)
     without_index: list[list[int]]  # per member, the predicting index of each response token, without the rubric
     with_index: list[list[int]]  # the same with the rubric: in ``rubric`` (two-stream) or in ``tokens``
-    rubric: list[int] = dataclasses.field(default_factory=list)  # two-stream: [insert tail], then each response
+    rubric: list[int] = dataclasses.field(default_factory=list)  # two-stream: per prompt [insert tail], its responses
     rubric_positions: list[int] = dataclasses.field(default_factory=list)
     rubric_branch: list[int] = dataclasses.field(default_factory=list)
+    rubric_reach: list[int] = dataclasses.field(default_factory=list)
+    rubric_anchor: list[int] = dataclasses.field(default_factory=list)  # the last token of its prefix, in the row
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
 
 
 def _segment(members: Sequence[StepSample], two_stream: bool) -> _Segment:
-    """One prefix and its members' branches (the members share their insert and tail too): the
-    without-rubric branch ``[tail response]`` of each, and with a rubric the with-rubric one: in the
-    row after the prefix ``[insert tail response]`` (packed), or in the with-rubric stream
-    ``[insert tail]`` once and then each member's ``[response]`` (``two_stream``). Members without
-    a rubric read their with-rubric log-probs from their without-rubric branch (the loss ignores
-    them)."""
-    prefix = members[0].prefix
-    p = len(prefix)
-    tokens, positions, branch = [*prefix], list(range(p)), [SHARED] * p
-    rubric: list[int] = []
-    rubric_positions: list[int] = []
-    rubric_branch: list[int] = []
-    without_index, with_index = [], []
+    """The members as one tree: the trie of their prefixes in depth-first order (a prefix token
+    once, however many members' prompts begin with it), and after each prefix the branches of its
+    prompt's members (``prompt_key``): the without-rubric branch ``[tail response]`` of each, and
+    with a rubric the with-rubric one: in the row ``[insert tail response]`` (packed), or in the
+    with-rubric stream ``[insert tail]`` once a prompt and then each member's ``[response]``
+    (``two_stream``), which see the row's prefix through its last token (``rubric_anchor``).
+    Members without a rubric read their with-rubric log-probs from their without-rubric branch
+    (the loss ignores them)."""
+    row: tuple[list[int], ...] = ([], [], [], [])  # tokens, positions, branch, reach
+    stream: tuple[list[int], ...] = ([], [], [], [])
+    anchor: list[int] = []
+    without_index: list[list[int]] = [[] for _ in members]
+    with_index: list[list[int]] = [[] for _ in members]
 
-    def place(part: list[int], branch_id: int) -> list[int]:
-        """Appends ``part`` after the prefix in the row: its sequence's indices in the row."""
-        start = len(tokens)
-        tokens.extend(part)
-        positions.extend(range(p, p + len(part)))
-        branch.extend([branch_id] * len(part))
-        return [*range(p), *range(start, start + len(part))]
+    def chain(into: tuple[list[int], ...], part: Sequence[int], start: int, branch_id: int) -> list[int]:
+        """Appends ``part`` at positions from ``start``, each token's subtree the rest of the part:
+        its indices in ``into``."""
+        at = len(into[0])
+        into[0].extend(part)
+        into[1].extend(range(start, start + len(part)))
+        into[2].extend([branch_id] * len(part))
+        into[3].extend([at + len(part) - 1] * len(part))
+        return list(range(at, at + len(part)))
 
-    r, st = len(members[0].insert), len(members[0].tail)  # the same in every member (prompt_key)
-    if r and two_stream:  # the stream starts with the members' [insert tail], seen by each response
-        rubric += [*members[0].insert, *members[0].tail]
-        rubric_positions += range(p, p + r + st)
-        rubric_branch += [SHARED] * (r + st)
-    for q, s in enumerate(members):
-        y = len(s.response)
-        # Response token j sits at sequence index (prompt length + j) and is predicted by the one before.
-        with_seq = None
+    path: list[int] = []  # the row indices of the current prefix's tokens
+    previous: Sequence[int] = ()
+    by_prompt = itertools.groupby(sorted(range(len(members)), key=lambda q: prompt_key(members[q])), key=lambda q: prompt_key(members[q]))
+    for (prefix, insert, tail), qs in by_prompt:
+        p, r, st = len(prefix), len(insert), len(tail)
+        shared = _common(previous, prefix)
+        for i in path[shared:]:  # the nodes this prefix leaves: their subtrees end here
+            row[3][i] = len(row[0]) - 1
+        path = path[:shared] + chain(row, prefix[shared:], shared, SHARED)
+        previous = prefix
+        if r and two_stream:  # the stream starts with the prompt's [insert tail], seen by each response
+            head = chain(stream, [*insert, *tail], p, SHARED)
+        for q in qs:
+            s, y = members[q], len(members[q].response)
+            # Response token j sits at sequence index (prompt length + j) and is predicted by the one before.
+            with_seq = None
+            if r and two_stream:
+                with_seq = [-1] * p + head + chain(stream, s.response, p + r + st, WITH + 2 * q)  # the prefix is in the row
+            elif r:
+                with_seq = path + chain(row, [*insert, *tail, *s.response], p, WITH + 2 * q)
+            without_seq = path + chain(row, [*tail, *s.response], p, WITHOUT + 2 * q)
+            without_index[q] = [without_seq[p + st + j - 1] for j in range(y)]
+            with_index[q] = [with_seq[p + r + st + j - 1] for j in range(y)] if with_seq else without_index[q]
         if r and two_stream:
-            start = len(rubric)
-            rubric += s.response
-            rubric_positions += range(p + r + st, p + r + st + y)
-            rubric_branch += [WITH + 2 * q] * y
-            with_seq = [-1] * p + list(range(r + st)) + list(range(start, start + y))  # the prefix is in the row
-        elif r:
-            with_seq = place([*s.insert, *s.tail, *s.response], WITH + 2 * q)
-        without_seq = place([*s.tail, *s.response], WITHOUT + 2 * q)
-        without_index.append([without_seq[p + st + j - 1] for j in range(y)])
-        with_index.append([with_seq[p + r + st + j - 1] for j in range(y)] if with_seq else without_index[-1])
-    return _Segment(tokens, positions, branch, without_index, with_index, rubric, rubric_positions, rubric_branch)
+            for i in head:
+                stream[3][i] = len(stream[0]) - 1
+            anchor += [path[-1]] * (len(stream[0]) - len(anchor))
+    for i in path:
+        row[3][i] = len(row[0]) - 1
+    return _Segment(*row, without_index, with_index, *stream, anchor)
 
 
 def prompt_key(s: StepSample) -> tuple[tuple[int, ...], ...]:
@@ -282,11 +310,22 @@ def _rows(segments: Sequence[_Segment], t: int, u: int, pack: bool) -> list[list
     return rows
 
 
-def _prompt_segments(samples: Sequence[StepSample], indices: Sequence[int], share_prefix: bool) -> list[list[int]]:
-    """``indices`` as segments: one sample each, or (``share_prefix``) the samples of each prompt."""
-    if not share_prefix:
-        return [[i] for i in indices]
-    return [[indices[j] for j in g] for g in prompt_groups([samples[i] for i in indices])]
+def _trees(samples: Sequence[StepSample], groups: Sequence[Sequence[int]], t: int, u: int, two_stream: bool) -> list[list[int]]:
+    """The prompts' ``groups`` merged into trees of ``_segment`` of at most ``t`` tokens (and ``u``
+    with-rubric stream tokens): in order of their prompts, so that prompts with a common beginning
+    (one task's steps) share a tree; prompts with a rubric and those without apart, so that as few
+    rows as they fill hold a with-rubric stream."""
+    kind = lambda g: (not samples[g[0]].insert, prompt_key(samples[g[0]]))  # noqa: E731
+    trees: list[list[int]] = []
+    for g in sorted(groups, key=kind):
+        merged = trees[-1] + list(g) if trees and kind(trees[-1])[0] == kind(g)[0] else None
+        if merged is not None:
+            tree = _segment([samples[i] for i in merged], two_stream)
+            if len(tree.tokens) <= t and len(tree.rubric) <= u:
+                trees[-1] = merged
+                continue
+        trees.append(list(g))
+    return trees
 
 
 def _extent(segments: Sequence[_Segment], floor: int, seq_multiple: int) -> tuple[int, int]:
@@ -320,9 +359,13 @@ def plan_rows(
     """The rows ``build_batch`` makes of ``samples`` (its parameters of the same names): a segment
     per row, or (``pack``) first fit by decreasing length into rows of the longest segment's
     padded length (at least ``row_tokens``)."""
-    groups = _prompt_segments(samples, range(len(samples)), share_prefix)
-    segments = [_segment([samples[i] for i in g], layout == "two-stream") for g in groups]
+    two_stream = layout == "two-stream"
+    groups = prompt_groups(samples) if share_prefix else [[i] for i in range(len(samples))]
+    segments = [_segment([samples[i] for i in g], two_stream) for g in groups]
     t, u = _extent(segments, row_tokens if pack else 0, seq_multiple)
+    if share_prefix:  # trees no longer than the longest prompt's
+        groups = _trees(samples, groups, t, u, two_stream)
+        segments = [_segment([samples[i] for i in g], two_stream) for g in groups]
     members = _rows(segments, t, u, pack)
     stream_rows = sum(any(segments[g].rubric for g in m) for m in members)
     return RowPlan([[i for g in m for i in groups[g]] for m in members], t, u, stream_rows)
@@ -406,7 +449,9 @@ def build_batch(
     # Rows holding a with-rubric stream first: the stream's arrays have only those rows.
     streams = lambda row: layout == "two-stream" and any(samples[i].insert for i in row)  # noqa: E731
     rows = sorted(rows, key=lambda row: not streams(row))
-    in_rows = [_prompt_segments(samples, row, share_prefix) for row in rows]  # the segments of each row
+    # The segments of each row: with ``share_prefix`` one tree of all its samples (no longer than
+    # the trees planned into it: a trie of their union holds each token once).
+    in_rows = [[list(row)] if share_prefix else [[i] for i in row] for row in rows]
     groups = [g for row in in_rows for g in row]
     segments = [_segment([samples[i] for i in g], layout == "two-stream") for g in groups]
     t, u = _extent(segments, row_tokens if pack else 0, seq_multiple)
@@ -444,11 +489,14 @@ def build_batch(
     positions = np.zeros((r, t), np.int32)
     branch = np.full((r, t), PAD, np.int32)
     segment = np.full((r, t), PAD, np.int32)
+    reach = np.full((r, t), PAD, np.int32)
     rubric = {
         "rubric_tokens": np.full((stream_rows, u), pad_id, np.int32),
         "rubric_positions": np.zeros((stream_rows, u), np.int32),
         "rubric_branch": np.full((stream_rows, u), PAD, np.int32),
         "rubric_segment": np.full((stream_rows, u), PAD, np.int32),
+        "rubric_reach": np.full((stream_rows, u), PAD, np.int32),
+        "rubric_anchor": np.full((stream_rows, u), PAD, np.int32),
     }
     sample = np.full((b,), -1, np.int32)
     response = np.full((b, y), pad_id, np.int32)
@@ -470,10 +518,13 @@ def build_batch(
                 g.branch,
                 seg,
             )
+            reach[row, span] = np.asarray(g.reach) + at
             if g.rubric:
                 span = slice(at_rubric, at_rubric + len(g.rubric))
                 rubric["rubric_tokens"][row, span], rubric["rubric_positions"][row, span] = g.rubric, g.rubric_positions
                 rubric["rubric_branch"][row, span], rubric["rubric_segment"][row, span] = g.rubric_branch, seg
+                rubric["rubric_reach"][row, span] = np.asarray(g.rubric_reach) + at_rubric
+                rubric["rubric_anchor"][row, span] = np.asarray(g.rubric_anchor) + at
             for q, i in enumerate(groups[gi]):
                 s, ny = samples[i], len(samples[i].response)
                 sample[j], response[j, :ny], mask[j, :ny] = i, s.response, 1.0
@@ -492,6 +543,7 @@ def build_batch(
         positions=positions,
         branch=branch,
         segment=segment,
+        reach=reach,
         sample=sample,
         response=response,
         with_index=with_index,
@@ -522,18 +574,22 @@ def tree_attention_mask(
     return mask if segment is None else mask & (segment[:, :, None] == segment[:, None, :])
 
 
+def attention_mask(reach: Int[np.ndarray | jax.Array, "R T"]) -> Bool[jax.Array, "R T T"]:
+    """The rows' attention mask from ``Batch.reach``: query ``i`` attends key ``j`` iff ``j <= i <=
+    reach[j]``, i.e. ``j`` is ``i`` or an ancestor of it in the row's depth-first tree. Padding
+    attends nothing and is attended by nothing."""
+    index = jnp.arange(reach.shape[1])
+    return (index[None, None, :] <= index[None, :, None]) & (index[None, :, None] <= reach[:, None, :])
+
+
 def rubric_attention_mask(batch: Batch) -> Bool[jax.Array, "S U T+U"]:
-    """What the with-rubric stream's tokens see of a cache holding the row's
-    keys in slots ``[0, T)`` and the stream's own in ``[T, T + U)``: their sample's prefix, and
-    their own earlier stream tokens: their segment's ``[insert tail]`` and their own response.
-    Padding tokens see nothing."""
-    if batch.rubric_tokens is None or batch.rubric_segment is None or batch.rubric_branch is None:
+    """What the with-rubric stream's tokens see of a cache holding the row's keys in slots ``[0, T)``
+    and the stream's own in ``[T, T + U)``: their prefix (the row's ancestors of their
+    ``rubric_anchor``, itself included), and their own earlier stream tokens: their prompt's
+    ``[insert tail]`` and their own response (``rubric_reach``). Padding tokens see nothing."""
+    if batch.rubric_reach is None or batch.rubric_anchor is None:
         raise ValueError("rubric_attention_mask needs a batch with a with-rubric stream (the two-stream layout)")
-    rows, u = batch.rubric_tokens.shape
-    query = batch.rubric_segment[:, :, None]
-    prefix = (batch.branch[:rows] == SHARED)[:, None, :] & (batch.segment[:rows, None, :] == query)
-    causal = jnp.arange(u)[:, None] >= jnp.arange(u)[None, :]
-    key = batch.rubric_branch[:, None, :]
-    tree = (key == SHARED) | (key == batch.rubric_branch[:, :, None])
-    own = causal[None] & (batch.rubric_segment[:, None, :] == query) & tree
-    return jnp.concatenate([prefix, own], axis=2) & (query != PAD)
+    rows, t = batch.rubric_anchor.shape[0], batch.reach.shape[1]
+    anchor = batch.rubric_anchor[:, :, None]
+    prefix = (jnp.arange(t)[None, None, :] <= anchor) & (anchor <= batch.reach[:rows, None, :])
+    return jnp.concatenate([prefix, attention_mask(batch.rubric_reach)], axis=2)

@@ -38,7 +38,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Float, Float32, Int, Shaped
 
 from orsd_jax.advantages import orsd_token_advantages
-from orsd_jax.batch import Batch, rubric_attention_mask, tree_attention_mask
+from orsd_jax.batch import Batch, attention_mask, rubric_attention_mask
 from orsd_jax.models import CausalLM
 from orsd_jax.models.decoder import KVCache
 
@@ -79,7 +79,7 @@ def response_logprobs(
     uses ``logp_without`` there), and ``None`` when ``with_rubric`` is off (the with-rubric LM head,
     and in the two-stream layout the whole with-rubric stream, are then skipped).
     """
-    mask = tree_attention_mask(batch.branch, batch.segment)
+    mask = attention_mask(batch.reach)
     keys_values = batch.two_stream and with_rubric
     hidden, prefix = model.hidden_states(
         batch.tokens, batch.positions, mask=mask, frozen=batch.frozen, keys_values=keys_values

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from orsd_jax import chat
-from orsd_jax.batch import Batch, BatchShape, StepSample, build_batch, tree_attention_mask
+from orsd_jax.batch import Batch, BatchShape, StepSample, attention_mask, build_batch
 from orsd_jax.demos import Demonstration, alfworld_walkthrough, walkthrough_demos, write_jsonl
 from orsd_jax.envs.base import Task, TextEnv
 from orsd_jax.loss import response_logprobs
@@ -241,7 +241,7 @@ def frozen_states(graphdef, params, batches: Sequence[IndexedBatch], n: int) -> 
     @jax.jit
     def run(params, batch: Batch) -> jax.Array:
         model = nnx.merge(graphdef, params)
-        return model.frozen_states(batch.tokens, batch.positions, mask=tree_attention_mask(batch.branch, batch.segment))
+        return model.frozen_states(batch.tokens, batch.positions, mask=attention_mask(batch.reach))
 
     out: list[np.ndarray] = [np.empty(0)] * n
     for indices, batch in batches:

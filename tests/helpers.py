@@ -3,6 +3,7 @@ the loss configuration they run, fast compilation, tree comparisons, and the mod
 of sampled completions (the samplers' oracle)."""
 
 import contextlib
+import dataclasses
 import functools
 import json
 import pathlib
@@ -190,3 +191,26 @@ def our_logprobs(model, prompts, completions) -> list[np.ndarray]:
     """The orsd_jax model's log-probs of the completion tokens (temperature 1), one jitted batch."""
     logp = np.asarray(_completion_logprobs(model, jnp.asarray(padded(prompts, completions))))
     return completion_rows(logp, prompts, completions)
+
+
+def trie_samples():
+    """Prompts with common beginnings, as one task's steps have: 1 repeats 0's prompt; 2 leaves 0's
+    prefix after three tokens; 3 continues it (without a rubric); 4 has 0's prefix and another
+    rubric; 6 shares two tokens with 5 (neither has a rubric)."""
+    s = make_samples((True, True, True, False, True, False, False), seed=3)
+    p0 = [*s[0].prefix, 5, 6, 7]
+    prompts = [
+        (p0, s[0].insert, s[0].tail),
+        (p0, s[0].insert, s[0].tail),
+        (p0[:3] + [40, 41], s[2].insert, s[2].tail),
+        (p0 + [50, 51], (), s[3].tail),
+        (p0, s[4].insert, s[4].tail),
+        (s[5].prefix, (), s[5].tail),
+        ([*s[5].prefix[:2], 60], (), s[6].tail),
+    ]
+    return [dataclasses.replace(x, prefix=p, insert=i, tail=t) for x, (p, i, t) in zip(s, prompts)]
+
+
+def trie_size(samples) -> int:
+    """The distinct prefixes of the samples' prefixes (the trie's nodes), counted independently."""
+    return len({tuple(s.prefix[: n + 1]) for s in samples for n in range(len(s.prefix))})

@@ -13,7 +13,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from helpers import LOSS, make_samples, max_tree_diff, tiny_model  # noqa: E402
+from helpers import LOSS, max_tree_diff, tiny_model, trie_samples  # noqa: E402
 
 from orsd_jax.batch import build_batch  # noqa: E402
 from orsd_jax.loss import OrsdLoss  # noqa: E402
@@ -22,7 +22,7 @@ from orsd_jax.train_step import init_train_state, make_mesh, make_train_step  # 
 STEPS, MICRO_BATCHES = 2, 2
 
 
-def run(mesh, fsdp: bool, layout: str = "packed", pack: bool = False):
+def run(mesh, fsdp: bool, layout: str = "packed", pack: bool = False, share_prefix: bool = False):
     graphdef, params = tiny_model()
     # Clipping then SGD with momentum: the update is linear in the gradients (Adam's is close to
     # their sign, which would hide differences), and the momentum is param-shaped state to shard.
@@ -30,11 +30,12 @@ def run(mesh, fsdp: bool, layout: str = "packed", pack: bool = False):
     graphdef, state, sharding = init_train_state(nnx.merge(graphdef, params), optimizer, mesh, fsdp)
     step = make_train_step(OrsdLoss(LOSS), optimizer, graphdef, sharding)
     batch = build_batch(
-        make_samples((True, False, True, True, False, True, False, True)),
+        trie_samples(),  # prompts that begin alike: with share_prefix, trees of them
         seq_multiple=16,
         batch_multiple=4 * MICRO_BATCHES,
         layout=layout,
         pack=pack,
+        share_prefix=share_prefix,
     )
     metrics = []
     for _ in range(STEPS):
@@ -50,13 +51,14 @@ def main():
     out = {"single_loss": [m["loss"] for m in single_metrics]}
     # The two-stream layout on 4 devices against the packed one on 1: the same step.
     cases = [
-        ("replicated", False, "packed", False),
-        ("fsdp", True, "packed", False),
-        ("two-stream", True, "two-stream", False),
-        ("packed rows", True, "two-stream", True),
+        ("replicated", False, "packed", False, False),
+        ("fsdp", True, "packed", False, False),
+        ("two-stream", True, "two-stream", False, False),
+        ("packed rows", True, "two-stream", True, False),
+        ("prompt trees", True, "two-stream", True, True),
     ]
-    for name, fsdp, layout, pack in cases:
-        params, metrics, specs, steps = run(make_mesh(4), fsdp, layout, pack)
+    for name, fsdp, layout, pack, share_prefix in cases:
+        params, metrics, specs, steps = run(make_mesh(4), fsdp, layout, pack, share_prefix)
         out[name] = {
             "param_diff": max_tree_diff(params, single),
             # Relative above 1: the raw loss sums (sum/*) run to hundreds.

@@ -10,7 +10,7 @@ from flax import nnx
 from helpers import tiny_model
 
 from benchmarks.warmstart import pass_flops, update_flops
-from orsd_jax.batch import StepSample, build_batch, tree_attention_mask
+from orsd_jax.batch import StepSample, attention_mask, build_batch
 from orsd_jax.estimate import QWEN3_1_7B, QWEN3_4B, estimate, forward_flops, param_count, step_flops
 from orsd_jax.loss import LossConfig, OrsdLoss
 from orsd_jax.models import CausalLM, ModelConfig
@@ -143,7 +143,7 @@ def test_warm_start_flops_match_xla():
 
     def frozen_pass(p, b):
         return nnx.merge(graphdef, p).frozen_states(
-            b.tokens, b.positions, mask=tree_attention_mask(b.branch, b.segment)
+            b.tokens, b.positions, mask=attention_mask(b.reach)
         )
 
     xla_pass = jax.jit(frozen_pass).lower(params, batch).compile().cost_analysis()["flops"]

@@ -20,6 +20,8 @@ from helpers import (
     max_tree_diff,
     sequence_logprobs,
     tiny_model,
+    trie_samples,
+    trie_size,
 )
 
 from orsd_jax.batch import (
@@ -29,6 +31,7 @@ from orsd_jax.batch import (
     WITH,
     WITHOUT,
     StepSample,
+    attention_mask,
     build_batch,
     rubric_attention_mask,
     tree_attention_mask,
@@ -200,11 +203,11 @@ def test_correction_and_gap_metrics_by_hand():
 
 
 @functools.cache
-def reference_case(shared: bool = False):
-    """Samples (``shared``: several of one prompt), and the value and gradient of the ORSD objective
-    written independently: two plain forwards per sample, the with-rubric log-probs computed once
-    as constants, a token mean."""
-    samples = make_samples(RUBRIC_ROWS, prompt_of=SHARED_PROMPTS if shared else None)
+def reference_case(shared: bool = False, trie: bool = False):
+    """Samples (``shared``: several of one prompt; ``trie``: ``trie_samples``), and the value and
+    gradient of the ORSD objective written independently: two plain forwards per sample, the
+    with-rubric log-probs computed once as constants, a token mean."""
+    samples = trie_samples() if trie else make_samples(RUBRIC_ROWS, prompt_of=SHARED_PROMPTS if shared else None)
     graphdef, params = tiny_model()
     width = max(len(s.response) for s in samples)
     pad = lambda rows: jnp.asarray([list(r) + [0.0] * (width - len(r)) for r in rows], jnp.float32)  # noqa: E731
@@ -290,6 +293,51 @@ def test_shared_prefixes_equal_two_forwards(layout, pack):
     assert_trees_close(grads, expected_grads)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", ["planned", "packed", "one row"])
+def test_prompt_trees_equal_two_forwards(layout, rows):
+    """``share_prefix`` with prompts that begin alike: a row's prompts are one trie, each prefix token
+    once; the loss and gradients are the independent objective's."""
+    samples, reference = reference_case(trie=True)
+    options = dict(seq_multiple=16, response_multiple=4, layout=layout, share_prefix=True)
+    if rows == "one row":
+        batch = build_batch(samples, pack=True, rows=[list(range(len(samples)))], **options)
+    else:
+        batch = build_batch(samples, pack=rows == "packed", row_tokens=64, **options)
+    k = len(batch.sample) // len(batch.tokens)
+    in_rows = [[samples[i] for i in batch.sample[r * k : (r + 1) * k] if i >= 0] for r in range(len(batch.tokens))]
+    for r, members in enumerate(in_rows):
+        assert (np.asarray(batch.branch[r]) == SHARED).sum() == trie_size(members)
+        if rows == "planned":  # a tree a row: planned trees keep prompts with a rubric apart from those without
+            assert len({bool(s.insert) for s in members}) <= 1
+    assert max(len({tuple(s.prefix) for s in m}) for m in in_rows) > 1  # some row shares a beginning
+    loss, grads = packed_value_and_grad(batch, LOSS)
+    expected_loss, expected_grads = reference(tiny_model()[1], LOSS.coef)
+    np.testing.assert_allclose(float(loss), float(expected_loss), atol=1e-5, rtol=0)
+    assert_trees_close(grads, expected_grads)
+
+
+def test_prompt_tree_by_hand():
+    """Three prompts [1 2 3], [1 2 3 5] and [1 2 4] in one row: the trie depth first, each prompt's
+    branch after its last token; a token's ``reach`` is the end of its subtree, so the third
+    prompt's tokens see [1 2] and not [3 ...], and the second sees [1 2 3] but not the first's branch."""
+    a, b, c = (
+        StepSample(prefix=p, tail=[7], response=y, old_logprobs=[-1.0] * len(y), advantage=1.0)
+        for p, y in (([1, 2, 3], [8, 9]), ([1, 2, 4], [8]), ([1, 2, 3, 5], [9]))
+    )
+    batch = build_batch([a, b, c], seq_multiple=16, response_multiple=2, pack=True, rows=[[0, 1, 2]], share_prefix=True)
+    real = slice(0, 12)
+    np.testing.assert_array_equal(batch.tokens[0, real], [1, 2, 3, 7, 8, 9, 5, 7, 9, 4, 7, 8])
+    np.testing.assert_array_equal(batch.positions[0, real], [0, 1, 2, 3, 4, 5, 3, 4, 5, 2, 3, 4])
+    np.testing.assert_array_equal(batch.reach[0, real], [11, 11, 8, 5, 5, 5, 8, 8, 8, 11, 11, 11])
+    assert (batch.reach[0, 12:] == PAD).all()
+    np.testing.assert_array_equal(batch.without_index[:, :2], [[3, 4], [10, 0], [7, 0]])  # a, b, c (0: padding)
+    mask = np.asarray(attention_mask(jnp.asarray(batch.reach)))[0].astype(int)
+    assert mask[11, :12].tolist() == [1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1]  # b's response: [1 2 4 7 8]
+    assert mask[7, :12].tolist() == [1, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0]  # c's tail: [1 2 3 5 7]
+    assert mask[12:].sum() == 0  # padding sees nothing
+
+
 def test_shared_prefix_by_hand():
     """Two samples of one prompt, two-stream: the prefix once, each sample's without-rubric branch
     numbered ``WITHOUT + 2 q``; in the with-rubric stream their ``[insert tail]`` once, each
@@ -316,7 +364,7 @@ def test_shared_prefix_by_hand():
     np.testing.assert_array_equal(batch.rubric_positions, [[2, 3, 4, 5, 6, 5, 6, 0]])
     np.testing.assert_array_equal(batch.rubric_branch, [[SHARED] * 3 + [WITH] * 2 + [WITH + 2] * 2 + [PAD]])
     np.testing.assert_array_equal(batch.with_index, [[2, 3], [2, 5]])  # 4 and 6 both follow the tail
-    mask = np.asarray(tree_attention_mask(jnp.asarray(batch.branch), jnp.asarray(batch.segment)))[0].astype(int)
+    mask = np.asarray(attention_mask(jnp.asarray(batch.reach)))[0].astype(int)
     assert mask[6].tolist() == [1, 1, 0, 0, 0, 1, 1, 0]  # the second response: the prefix and its own branch
     seen = np.asarray(rubric_attention_mask(batch))[0].astype(int)
     assert seen[6].tolist() == [1, 1] + [0] * 6 + [1, 1, 1, 0, 0, 1, 1, 0]  # prefix, [insert tail], itself
@@ -369,23 +417,25 @@ def test_packed_rows_by_hand():
     np.testing.assert_array_equal(b.rubric_segment[1], [0, 0, 0, -1, -1, -1, -1, -1])
     np.testing.assert_array_equal(b.with_index[2, 0], 1)  # 31 follows 21 in the rubric stream
     np.testing.assert_array_equal(b.head, [[0, 1], [0, 2]])  # the LM head: real slot tokens (not row 0 slot 1)
-    mask = np.asarray(tree_attention_mask(jnp.asarray(b.branch), jnp.asarray(b.segment)))[1].astype(int)
+    mask = np.asarray(attention_mask(jnp.asarray(b.reach)))[1].astype(int)
     assert mask[4].tolist() == [0, 0, 0, 1, 1, 0, 0, 0]  # sample 0 sees only its own tokens
     seen = np.asarray(rubric_attention_mask(b))[1].astype(int)
     assert seen[1].tolist() == [1, 0, 0, 0, 0, 0, 0, 0] + [1, 1, 0, 0, 0, 0, 0, 0]  # its prefix (slot 0) and itself
 
 
-@pytest.mark.parametrize("layout, shared", [("packed", False), ("two-stream", False), ("two-stream", True)])
+@pytest.mark.parametrize(
+    "layout, shared", [("packed", False), ("two-stream", False), ("two-stream", True), ("two-stream", "trie")]
+)
 def test_frozen_bottom_layers_equal_two_forwards(layout, shared):
     """With the embedding and the first layer frozen (``ModelConfig.frozen_layers``, as cpu-demo),
     the loss is the independent objective's and the trained parameters' gradients are its
-    gradients; the frozen ones get none."""
-    samples, reference = reference_case(shared)
+    gradients; the frozen ones get none (``trie``: prompts that begin alike share a tree)."""
+    samples, reference = reference_case(shared is True, trie=shared == "trie")
     graphdef, params = tiny_model()
     frozen_graphdef, _ = nnx.split(
         nnx.eval_shape(lambda: CausalLM(dataclasses.replace(CONFIG, frozen_layers=1), nnx.Rngs(0)))
     )
-    batch = build_batch(samples, seq_multiple=16, response_multiple=4, layout=layout, share_prefix=shared)
+    batch = build_batch(samples, seq_multiple=16, response_multiple=4, layout=layout, share_prefix=bool(shared))
 
     def f(p):
         loss_sum, count, _, _ = OrsdLoss(LOSS)(nnx.merge(frozen_graphdef, p), batch)

@@ -115,7 +115,7 @@ def test_sharded_step_equals_single_device():
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(np.isfinite(out["single_loss"]))
-    for name in ("replicated", "fsdp", "two-stream", "packed rows"):
+    for name in ("replicated", "fsdp", "two-stream", "packed rows", "prompt trees"):
         assert out[name]["steps"] == 2
         assert out[name]["param_diff"] < 1e-5, (name, out[name]["param_diff"])
         assert out[name]["metric_diff"] < 1e-5, (name, out[name]["metric_diff"])
