@@ -35,18 +35,22 @@ each; ``head`` names the slot tokens of each row that the LM head scores (its re
 tokens). The with-rubric stream has rows only for the first ``S`` rows, those holding a sample
 with a rubric.
 
-With ``share_prefix`` the samples of one prompt (``prompt_key``: a group's episodes at a state they
-reached by the same steps; docs/benchmarks.md, "Shared prompts") are one segment: the prefix once,
-then each sample's branches, member ``q``'s numbered ``WITH + 2 q`` and ``WITHOUT + 2 q``, so that
-each attends to the prefix and to itself only::
+With ``share_prefix`` a row's samples are one tree: the trie of their prefixes, depth first (a
+prefix token once, however many of the row's prompts begin with it: the samples of one prompt, a
+group's episodes at a state they reached by the same steps, and the steps of one task, whose
+prompts repeat its instructions and first observation; docs/benchmarks.md, "Prompt trees"), and
+after each prefix its samples' branches, member ``q``'s numbered ``WITH + 2 q`` and ``WITHOUT + 2
+q``. ``reach`` (the last index of a token's subtree) says what each token sees, whatever the tree::
 
-    tokens          prefix | tail response_0 | tail response_1 | ...   (the without-rubric stream)
-    branch          0 ...  | 2 ...           | 4 ...           |
-    rubric_tokens   insert tail | response_0 | response_1 | ...           (two-stream)
-    rubric_branch   0 ...       | 1 ...      | 3 ...      |
+    tokens      1  2  3 | 7  8  9 | 5 | 7  9 |  4 |  7  8
+    index       0  1  2 | 3  4  5 | 6 | 7  8 |  9 | 10 11
+    positions   0  1  2 | 3  4  5 | 3 | 4  5 |  2 |  3  4
+    reach      11 11  8 | 5  5  5 | 8 | 8  8 | 11 | 11 11
 
-Its samples then share the insert and tail as well (a group's rubric): the two-stream layout's
-with-rubric stream holds ``[insert tail]`` once.
+(prompts ``[1 2 3]``, ``[1 2 3 5]`` and ``[1 2 4]``, each with the tail ``[7]`` and a response):
+query ``i`` sees key ``j`` iff ``j <= i <= reach[j]``. In the two-stream layout each prompt's
+``[insert tail]`` is in the with-rubric stream once, then its samples' responses as branches,
+reading the row through its prefix's last token (``rubric_anchor``).
 
 Shapes, as the ``jaxtyping`` annotations here, in ``orsd_jax.loss`` and ``orsd_jax.models.decoder``
 name them (annotations only: nothing checks them at run time)::
@@ -310,22 +314,29 @@ def _rows(segments: Sequence[_Segment], t: int, u: int, pack: bool) -> list[list
     return rows
 
 
-def _trees(samples: Sequence[StepSample], groups: Sequence[Sequence[int]], t: int, u: int, two_stream: bool) -> list[list[int]]:
-    """The prompts' ``groups`` merged into trees of ``_segment`` of at most ``t`` tokens (and ``u``
-    with-rubric stream tokens): in order of their prompts, so that prompts with a common beginning
-    (one task's steps) share a tree; prompts with a rubric and those without apart, so that as few
-    rows as they fill hold a with-rubric stream."""
-    kind = lambda g: (not samples[g[0]].insert, prompt_key(samples[g[0]]))  # noqa: E731
-    trees: list[list[int]] = []
-    for g in sorted(groups, key=kind):
-        merged = trees[-1] + list(g) if trees and kind(trees[-1])[0] == kind(g)[0] else None
-        if merged is not None:
-            tree = _segment([samples[i] for i in merged], two_stream)
-            if len(tree.tokens) <= t and len(tree.rubric) <= u:
-                trees[-1] = merged
-                continue
-        trees.append(list(g))
-    return trees
+def _tree_rows(
+    samples: Sequence[StepSample], groups: Sequence[Sequence[int]], segments: Sequence[_Segment], t: int, u: int
+) -> list[list[int]]:
+    """The prompts' ``groups`` (``segments``: theirs alone) first fit into rows of ``t`` tokens and
+    ``u`` with-rubric stream tokens, each row one tree (``_segment``), those with a stream first,
+    then in order of their prompts, so that the prompts that begin alike (one task's steps) meet:
+    a group costs a row its segment's tokens less the longest beginning its prefix shares with the
+    row's (what a trie of the row's prefixes gains by it)."""
+    order = sorted(range(len(groups)), key=lambda g: (not segments[g].rubric, prompt_key(samples[groups[g][0]])))
+    rows: list[list[int]] = []
+    used: list[tuple[int, int]] = []
+    for g in order:
+        prefix, n, m = samples[groups[g][0]].prefix, len(segments[g].tokens), len(segments[g].rubric)
+        for k, (a, c) in enumerate(used):
+            cost = n - max(_common(prefix, samples[groups[h][0]].prefix) for h in rows[k])
+            if a + cost <= t and c + m <= u:
+                rows[k].append(g)
+                used[k] = (a + cost, c + m)
+                break
+        else:
+            rows.append([g])
+            used.append((n, m))
+    return [[i for g in row for i in groups[g]] for row in rows]
 
 
 def _extent(segments: Sequence[_Segment], floor: int, seq_multiple: int) -> tuple[int, int]:
@@ -358,17 +369,17 @@ def plan_rows(
 ) -> RowPlan:
     """The rows ``build_batch`` makes of ``samples`` (its parameters of the same names): a segment
     per row, or (``pack``) first fit by decreasing length into rows of the longest segment's
-    padded length (at least ``row_tokens``)."""
-    two_stream = layout == "two-stream"
+    padded length (at least ``row_tokens``); with ``share_prefix`` the prompts first fit into rows
+    of that length as trees (``_tree_rows``)."""
     groups = prompt_groups(samples) if share_prefix else [[i] for i in range(len(samples))]
-    segments = [_segment([samples[i] for i in g], two_stream) for g in groups]
+    segments = [_segment([samples[i] for i in g], layout == "two-stream") for g in groups]
     t, u = _extent(segments, row_tokens if pack else 0, seq_multiple)
-    if share_prefix:  # trees no longer than the longest prompt's
-        groups = _trees(samples, groups, t, u, two_stream)
-        segments = [_segment([samples[i] for i in g], two_stream) for g in groups]
-    members = _rows(segments, t, u, pack)
-    stream_rows = sum(any(segments[g].rubric for g in m) for m in members)
-    return RowPlan([[i for g in m for i in groups[g]] for m in members], t, u, stream_rows)
+    if share_prefix:
+        rows = _tree_rows(samples, groups, segments, t, u)
+    else:
+        rows = [[i for g in m for i in groups[g]] for m in _rows(segments, t, u, pack)]
+    stream_rows = sum(layout == "two-stream" and any(samples[i].insert for i in row) for row in rows)
+    return RowPlan(rows, t, u, stream_rows)
 
 
 @dataclasses.dataclass(frozen=True)

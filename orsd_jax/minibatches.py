@@ -32,7 +32,7 @@ class MinibatchSpec:
     # The packed order weighs a row of t tokens reading s keys as t (1 + s / attention_tokens)
     # (estimate.attention_tokens, from the model; 0: as t, its slots alone).
     attention_tokens: float = 0.0
-    # Samples of one prompt in a minibatch share its forward (batch.build_batch): the same loss.
+    # A row's prompts are one tree, a common beginning computed once (batch.build_batch): the same loss.
     share_prefix: bool = True
 
 
@@ -119,9 +119,9 @@ def update_steps(
 def packed_steps(
     samples: Sequence[StepSample], epoch: int, rng: np.random.Generator, spec: MinibatchSpec
 ) -> list[Step]:
-    """One epoch of the ``packed`` order: all its samples packed into rows at once (a prompt's
-    samples one segment, ``plan_rows``; first fit over the whole update fills rows better than
-    over a minibatch), the rows shuffled and dealt into ``ceil(N / spec.rows)`` steps, the rows
+    """One epoch of the ``packed`` order: all its samples packed into rows at once (``plan_rows``:
+    with ``share_prefix`` a row's prompts one tree, one task's prompts together; first fit over the
+    whole update fills rows better, and shares more, than over a minibatch), the rows shuffled and dealt into ``ceil(N / spec.rows)`` steps, the rows
     with a with-rubric stream and those without each as evenly as they go, so that every step
     has about as many of each. Every step is padded to the one ``BatchShape``: the epoch's train
     steps compile once. The row length is the one of ``row_lengths`` whose plan costs least: the

@@ -229,7 +229,7 @@ def run_update(
         metrics["train/row_tokens"] = counts["row_tokens"]
         metrics["train/row_fill"] = counts["row_tokens"] / counts["row_slots"]
         metrics["train/step_samples"] = float(len(samples))
-        # Samples of one prompt share its forward when they share a minibatch (MinibatchSpec.share_prefix).
+        # A row's prompts share their common beginnings (MinibatchSpec.share_prefix, prompt trees).
         metrics["train/prompts"] = float(len({prompt_key(s) for s in samples}))
         metrics["train/tokens_per_s"] = counts["tokens"] / metrics["time/train"]
         metrics["train/row_tokens_per_s"] = counts["row_tokens"] / metrics["time/train"]

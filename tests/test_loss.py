@@ -308,8 +308,6 @@ def test_prompt_trees_equal_two_forwards(layout, rows):
     in_rows = [[samples[i] for i in batch.sample[r * k : (r + 1) * k] if i >= 0] for r in range(len(batch.tokens))]
     for r, members in enumerate(in_rows):
         assert (np.asarray(batch.branch[r]) == SHARED).sum() == trie_size(members)
-        if rows == "planned":  # a tree a row: planned trees keep prompts with a rubric apart from those without
-            assert len({bool(s.insert) for s in members}) <= 1
     assert max(len({tuple(s.prefix) for s in m}) for m in in_rows) > 1  # some row shares a beginning
     loss, grads = packed_value_and_grad(batch, LOSS)
     expected_loss, expected_grads = reference(tiny_model()[1], LOSS.coef)
