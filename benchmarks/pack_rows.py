@@ -10,14 +10,15 @@ uniform), responses of 16-48 tokens, and with ``--method orsd`` a rubric of 100-
 every sample. Rows of several samples are as long as the longest sample, or at least each of
 ``--row-tokens`` (``TrainConfig.row_tokens``); "packed layout" is one sample per row in the packed
 tree-mask layout. With ``--prompts`` fewer than the samples, some samples repeat an earlier one's
-prompt (a group's episodes that took the same steps); "shared prompts" computes each prompt once
-per minibatch (``MinibatchSpec.share_prefix``, the other rows do not), "shared, by prompt" also
-orders the samples by prompt and "shared, packed" packs the whole update's rows at once and deals
-them out (``TrainConfig.minibatch_order``; "shared, packed, >= N": rows of at least N tokens). ``--samples-from`` replays a real
-update's step samples instead (a run's recorded update: ``orsd_jax.credit.load_samples``). Each configuration runs one warm-up update (its compilations, reported apart) and
-then ``--reps`` timed updates, interleaved; the table gives medians, the padded slots the forwards
-computed, the fill (tokens / slots), and the speed-up and FLOP ratio against the first
-configuration run (``--configs`` picks some).
+prompt (a group's episodes that took the same steps); "shared prompts" makes each row's prompts
+one tree, their common beginnings once (``MinibatchSpec.share_prefix``, the other rows do not),
+"shared, by prompt" also orders the samples by prompt and "shared, packed" packs the whole
+update's rows at once and deals them out (``TrainConfig.minibatch_order``; "shared, packed, >= N":
+rows of at least N tokens). ``--samples-from`` replays a real update's step samples instead (a
+run's recorded update: ``orsd_jax.credit.load_samples``). Each configuration runs one warm-up
+update (its compilations, reported apart) and then ``--reps`` timed updates, interleaved; the
+table gives medians, the padded slots the forwards computed, the fill (tokens / slots), and the
+speed-up and FLOP ratio against the first configuration run (``--configs`` picks some).
 """
 
 from __future__ import annotations

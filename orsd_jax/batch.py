@@ -217,6 +217,9 @@ class _Segment:
     rubric_anchor: list[int] = dataclasses.field(default_factory=list)  # the last token of its prefix, in the row
 
 
+_Parts = tuple[list[int], list[int], list[int], list[int]]  # a sequence's tokens, positions, branch, reach
+
+
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
     """The length of the longest common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
@@ -233,13 +236,13 @@ def _segment(members: Sequence[StepSample], two_stream: bool) -> _Segment:
     (``two_stream``), which see the row's prefix through its last token (``rubric_anchor``).
     Members without a rubric read their with-rubric log-probs from their without-rubric branch
     (the loss ignores them)."""
-    row: tuple[list[int], ...] = ([], [], [], [])  # tokens, positions, branch, reach
-    stream: tuple[list[int], ...] = ([], [], [], [])
+    row: _Parts = ([], [], [], [])  # tokens, positions, branch, reach
+    stream: _Parts = ([], [], [], [])
     anchor: list[int] = []
     without_index: list[list[int]] = [[] for _ in members]
     with_index: list[list[int]] = [[] for _ in members]
 
-    def chain(into: tuple[list[int], ...], part: Sequence[int], start: int, branch_id: int) -> list[int]:
+    def chain(into: _Parts, part: Sequence[int], start: int, branch_id: int) -> list[int]:
         """Appends ``part`` at positions from ``start``, each token's subtree the rest of the part:
         its indices in ``into``."""
         at = len(into[0])
@@ -251,7 +254,9 @@ def _segment(members: Sequence[StepSample], two_stream: bool) -> _Segment:
 
     path: list[int] = []  # the row indices of the current prefix's tokens
     previous: Sequence[int] = ()
-    by_prompt = itertools.groupby(sorted(range(len(members)), key=lambda q: prompt_key(members[q])), key=lambda q: prompt_key(members[q]))
+    by_prompt = itertools.groupby(
+        sorted(range(len(members)), key=lambda q: prompt_key(members[q])), key=lambda q: prompt_key(members[q])
+    )
     for (prefix, insert, tail), qs in by_prompt:
         p, r, st = len(prefix), len(insert), len(tail)
         shared = _common(previous, prefix)
@@ -266,7 +271,9 @@ def _segment(members: Sequence[StepSample], two_stream: bool) -> _Segment:
             # Response token j sits at sequence index (prompt length + j) and is predicted by the one before.
             with_seq = None
             if r and two_stream:
-                with_seq = [-1] * p + head + chain(stream, s.response, p + r + st, WITH + 2 * q)  # the prefix is in the row
+                with_seq = (
+                    [-1] * p + head + chain(stream, s.response, p + r + st, WITH + 2 * q)
+                )  # the prefix is in the row
             elif r:
                 with_seq = path + chain(row, [*insert, *tail, *s.response], p, WITH + 2 * q)
             without_seq = path + chain(row, [*tail, *s.response], p, WITHOUT + 2 * q)

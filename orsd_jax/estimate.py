@@ -70,7 +70,9 @@ def layer_params(c: ModelConfig) -> int:
 
 # On CPU a score's softmax and mask cost about what its two matmuls do: one cpu-demo update packed
 # in rows of 512, 768 and 1,024 tokens trained in 87.2, 76.4 and 77.2 s, which the row cost of
-# ``minibatches.packed_steps`` fits with this factor (docs/benchmarks.md, "The update packed at once").
+# ``minibatches.packed_steps`` fits with this factor (docs/benchmarks.md, "The update packed at once");
+# with prompt trees its choice, 640, trained in 61.4 s against 65.6 s (768) and 65.0 s (1,024)
+# (docs/benchmarks.md, "Prompt trees").
 ATTENTION_OVERHEAD = 2.0
 
 

@@ -142,9 +142,7 @@ def test_warm_start_flops_match_xla():
     )
 
     def frozen_pass(p, b):
-        return nnx.merge(graphdef, p).frozen_states(
-            b.tokens, b.positions, mask=attention_mask(b.reach)
-        )
+        return nnx.merge(graphdef, p).frozen_states(b.tokens, b.positions, mask=attention_mask(b.reach))
 
     xla_pass = jax.jit(frozen_pass).lower(params, batch).compile().cost_analysis()["flops"]
     with_states = dataclasses.replace(batch, frozen=np.zeros((*batch.tokens.shape, config.hidden_size), np.float32))
