@@ -270,10 +270,8 @@ def _segment(members: Sequence[StepSample], two_stream: bool) -> _Segment:
             s, y = members[q], len(members[q].response)
             # Response token j sits at sequence index (prompt length + j) and is predicted by the one before.
             with_seq = None
-            if r and two_stream:
-                with_seq = (
-                    [-1] * p + head + chain(stream, s.response, p + r + st, WITH + 2 * q)
-                )  # the prefix is in the row
+            if r and two_stream:  # the prefix is in the row
+                with_seq = [-1] * p + head + chain(stream, s.response, p + r + st, WITH + 2 * q)
             elif r:
                 with_seq = path + chain(row, [*insert, *tail, *s.response], p, WITH + 2 * q)
             without_seq = path + chain(row, [*tail, *s.response], p, WITHOUT + 2 * q)
