@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from orsd_jax.batch import SHARED, WITH, WITHOUT, tree_attention_mask
+from orsd_jax.batch import attention_mask
 from orsd_jax.models.decoder import MLP, ModelConfig, attend
 
 D, F, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> None:
         "[B, T, D] arrays": lambda p, x: mlp_3d(nnx.merge(graphdef, p), x),
     }
 
-    branch = np.full((b, t), WITHOUT)
-    branch[:, : t * 3 // 4], branch[:, t * 3 // 4 : t * 7 // 8] = SHARED, WITH
-    mask = tree_attention_mask(jnp.asarray(branch))
+    # A prefix of 3/4 of the row and two branches of 1/8 each (the subtree of a prefix token: the row).
+    reach = np.full((b, t), t - 1)
+    reach[:, t * 3 // 4 : t * 7 // 8] = t * 7 // 8 - 1
+    mask = attention_mask(jnp.asarray(reach))
     qkv = (normal(b, t, HEADS, HEAD_DIM), normal(b, t, KV_HEADS, HEAD_DIM), normal(b, t, KV_HEADS, HEAD_DIM))
     attentions = {
         "query blocks (this build)": lambda a: attend(*a, mask, causal=True),

@@ -574,22 +574,6 @@ def build_batch(
     )
 
 
-def tree_attention_mask(
-    branch: Int[np.ndarray | jax.Array, "R T"], segment: Int[np.ndarray | jax.Array, "R T"] | None = None
-) -> Bool[jax.Array, "R T T"]:
-    """The rows' attention mask from their branch ids (and segment ids, rows holding several
-    samples): causal, within one segment, and a token of one branch never sees the other.
-
-    Query ``i`` attends key ``j`` iff ``j <= i``, both are real tokens of the same segment, and
-    ``j`` is in the shared prefix or in ``i``'s branch. Padding queries attend nothing.
-    """
-    t = branch.shape[1]
-    query, key = branch[:, :, None], branch[:, None, :]
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    mask = causal[None] & (query != PAD) & (key != PAD) & ((key == SHARED) | (key == query))
-    return mask if segment is None else mask & (segment[:, :, None] == segment[:, None, :])
-
-
 def attention_mask(reach: Int[np.ndarray | jax.Array, "R T"]) -> Bool[jax.Array, "R T T"]:
     """The rows' attention mask from ``Batch.reach``: query ``i`` attends key ``j`` iff ``j <= i <=
     reach[j]``, i.e. ``j`` is ``i`` or an ancestor of it in the row's depth-first tree. Padding

@@ -13,7 +13,7 @@ useful per-token credit. The probe measures it on played episodes, forward passe
 - **Format tokens**: the gap on the answer's tags and stop token; a systematic gap there is a bias
   ORSD applies to every step of every group with a rubric, whatever the action was.
 
-Scoring uses the training forward (``CausalLM.hidden_states`` under ``tree_attention_mask`` and
+Scoring uses the training forward (``CausalLM.hidden_states`` under ``batch.attention_mask`` and
 ``loss.slot_logprobs``) on packed rows that share a prompt prefix among several branches: one
 branch per source's rubric plus one without (a step), or one per admissible action (a state).
 """
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from orsd_jax.batch import PAD, SHARED, tree_attention_mask
+from orsd_jax.batch import PAD, attention_mask
 from orsd_jax.loss import slot_logprobs
 from orsd_jax.probe_stats import auc, bootstrap_auc, bootstrap_auc_difference, within_state_auc
 
@@ -44,7 +44,7 @@ class BranchRows:
 
     tokens: np.ndarray  # int32[B, T]
     positions: np.ndarray  # int32[B, T]
-    branch: np.ndarray  # int32[B, T]: SHARED, 1..K, PAD
+    reach: np.ndarray  # int32[B, T]: the last index of each token's subtree (``Batch.reach``), PAD
     index: np.ndarray  # int32[B, K, Y]: the position predicting each response token
     targets: np.ndarray  # int32[B, K, Y]: the response tokens
     mask: np.ndarray  # bool[B, K, Y]
@@ -61,9 +61,9 @@ def pack_branches(
     response_multiple: int = 32,
     branch_multiple: int = 1,
 ) -> BranchRows:
-    """Packs ``(shared prefix, branches)`` rows: branch ``k`` (id ``k + 1``) restarts its positions
-    after the prefix, as ``orsd_jax.batch`` lays out the without-rubric branch. Sizes are rounded
-    up to the multiples (one compile per bucket)."""
+    """Packs ``(shared prefix, branches)`` rows: each branch restarts its positions after the prefix
+    and sees the prefix and itself (``reach``), as ``orsd_jax.batch`` lays out the without-rubric
+    branch. Sizes are rounded up to the multiples (one compile per bucket)."""
     if not rows or any(not shared or not branches for shared, branches in rows):
         raise ValueError("every row needs a non-empty shared prefix and at least one branch")
     k = _round_up(max(len(branches) for _, branches in rows), branch_multiple)
@@ -72,20 +72,21 @@ def pack_branches(
     out = BranchRows(
         tokens=np.zeros((len(rows), t), np.int32),
         positions=np.zeros((len(rows), t), np.int32),
-        branch=np.full((len(rows), t), PAD, np.int32),
+        reach=np.full((len(rows), t), PAD, np.int32),
         index=np.zeros((len(rows), k, y), np.int32),
         targets=np.zeros((len(rows), k, y), np.int32),
         mask=np.zeros((len(rows), k, y), bool),
     )
     for i, (shared, branches) in enumerate(rows):
         p = len(shared)
-        out.tokens[i, :p], out.positions[i, :p], out.branch[i, :p] = shared, np.arange(p), SHARED
+        end = p + sum(len(c) + len(r) for c, r in branches) - 1  # the prefix's subtree: the whole row
+        out.tokens[i, :p], out.positions[i, :p], out.reach[i, :p] = shared, np.arange(p), end
         start = p
         for b, (context, response) in enumerate(branches):
             n = len(context) + len(response)
             out.tokens[i, start : start + n] = [*context, *response]
             out.positions[i, start : start + n] = np.arange(p, p + n)
-            out.branch[i, start : start + n] = b + 1
+            out.reach[i, start : start + n] = start + n - 1
             # Response token j sits at branch index len(context) + j; the token before predicts it
             # (the prefix's last token when the branch has no context).
             before = [start + len(context) + j - 1 for j in range(len(response))]
@@ -97,9 +98,9 @@ def pack_branches(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7))
-def _branch_logprobs(graphdef, params, tokens, positions, branch, index, temperature, chunk_size, targets):
+def _branch_logprobs(graphdef, params, tokens, positions, reach, index, temperature, chunk_size, targets):
     model = nnx.merge(graphdef, params)
-    hidden, _ = model.hidden_states(tokens, positions, mask=tree_attention_mask(branch))
+    hidden, _ = model.hidden_states(tokens, positions, mask=attention_mask(reach))
     b, k, y = index.shape
     logp, _ = slot_logprobs(
         model,
@@ -134,7 +135,7 @@ def branch_logprobs(
                 params,
                 packed.tokens,
                 packed.positions,
-                packed.branch,
+                packed.reach,
                 packed.index,
                 temperature,
                 chunk_size,

@@ -34,7 +34,6 @@ from orsd_jax.batch import (
     attention_mask,
     build_batch,
     rubric_attention_mask,
-    tree_attention_mask,
 )
 from orsd_jax.loss import LossConfig, OrsdLoss, policy_loss
 from orsd_jax.models import CausalLM
@@ -74,9 +73,10 @@ def test_build_batch_layout_by_hand():
     assert (b.branch[2:] == PAD).all() and b.tokens.shape == (4, 12)
 
 
-def test_tree_attention_mask_by_hand():
-    branch = np.array([[SHARED, SHARED, WITH, WITH, WITHOUT, WITHOUT, PAD]])
-    mask = np.asarray(tree_attention_mask(jnp.asarray(branch)))[0].astype(int)
+def test_attention_mask_by_hand():
+    """A prefix of two tokens, a with-rubric branch and a without-rubric branch of two, padding."""
+    reach = np.array([[5, 5, 3, 3, 5, 5, PAD]])
+    mask = np.asarray(attention_mask(jnp.asarray(reach)))[0].astype(int)
     expected = [
         [1, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0],

@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from orsd_jax import chat
-from orsd_jax.batch import PAD, SHARED, WITH, WITHOUT, tree_attention_mask
+from orsd_jax.batch import PAD, attention_mask
 from orsd_jax.models import (
     EMBEDDED,
     CausalLM,
@@ -374,11 +374,10 @@ def test_query_blocks_equal_dense_attention(t):
     rng = np.random.RandomState(t)
     q, k, v = (jnp.asarray(rng.randn(2, t, *shape).astype(np.float32)) for shape in ((6, 8), (2, 8), (2, 8)))
     cut, end = t // 3, t - 2  # prefix [0, cut), branch 1 [cut, end - (end - cut) // 2), branch 2 after it, padding last
-    branch = np.full((2, t), PAD)
-    branch[:, :cut] = SHARED
-    branch[:, cut : cut + (end - cut) // 2] = WITH
-    branch[:, cut + (end - cut) // 2 : end] = WITHOUT
-    mask = tree_attention_mask(jnp.asarray(branch))
+    middle = cut + (end - cut) // 2
+    reach = np.full((2, t), PAD)
+    reach[:, :cut], reach[:, cut:middle], reach[:, middle:end] = end - 1, middle - 1, end - 1
+    mask = attention_mask(jnp.asarray(reach))
     dense = attend(q, k, v, mask)
     blocked = attend(q, k, v, mask, causal=True)
     np.testing.assert_allclose(np.asarray(blocked)[:, :end], np.asarray(dense)[:, :end], atol=1e-5, rtol=0)

@@ -28,7 +28,8 @@ def test_pack_branches_by_hand():
     rows = pack_branches([([11, 12], [([21], [31, 32]), ([], [33])])], seq_multiple=8, response_multiple=4)
     np.testing.assert_array_equal(rows.tokens[0], [11, 12, 21, 31, 32, 33, 0, 0])
     np.testing.assert_array_equal(rows.positions[0], [0, 1, 2, 3, 4, 2, 0, 0])
-    np.testing.assert_array_equal(rows.branch[0], [0, 0, 1, 1, 1, 2, PAD, PAD])
+    # The prefix's subtree is the row; each branch's, the rest of the branch.
+    np.testing.assert_array_equal(rows.reach[0], [5, 5, 4, 4, 4, 5, PAD, PAD])
     # Branch 1: 31 is predicted by 21 (row 2), 32 by 31 (row 3). Branch 2 has no context: 33 is
     # predicted by the prefix's last token (row 1).
     np.testing.assert_array_equal(rows.index[0], [[2, 3, 0, 0], [1, 0, 0, 0]])
