@@ -28,7 +28,7 @@ pass never touches the rubric's tokens and the prefix is computed once (``benchm
 measures both layouts against two plain forwards).
 
 With ``build_batch(pack=True)`` a row holds several samples one after another, each a segment
-(``segment``, ``rubric_segment``: its slot in the row) that attends only to itself, so rows of
+(``segment``: its slot in the row) that attends only to itself, so rows of
 short and long prompts waste fewer padding slots. Per-sample arrays then have ``B = R x k``
 slots, row-major (slot ``b`` is in row ``b // k``), and ``sample`` names the input sample in
 each; ``head`` names the slot tokens of each row that the LM head scores (its real response
@@ -159,7 +159,6 @@ class Batch:
     rubric_positions: Int32[np.ndarray | jax.Array, "S U"] | None = None
     # SHARED for a segment's [insert tail], its sample's WITH branch for its response, or PAD.
     rubric_branch: Int32[np.ndarray | jax.Array, "S U"] | None = None
-    rubric_segment: Int32[np.ndarray | jax.Array, "S U"] | None = None  # as ``segment``
     rubric_reach: Int32[np.ndarray | jax.Array, "S U"] | None = None  # as ``reach``, in the stream
     # The last token of the prefix the stream token reads, in the row: it sees that token's ancestors.
     rubric_anchor: Int32[np.ndarray | jax.Array, "S U"] | None = None
@@ -344,6 +343,11 @@ def _tree_rows(
     return [[i for g in row for i in groups[g]] for row in rows]
 
 
+def _holds_stream(samples: Sequence[StepSample], row: Sequence[int], layout: str) -> bool:
+    """Whether a row of these samples has a with-rubric stream: two-stream, some sample with a rubric."""
+    return layout == "two-stream" and any(samples[i].insert for i in row)
+
+
 def _extent(segments: Sequence[_Segment], floor: int, seq_multiple: int) -> tuple[int, int]:
     """``(T, U)`` for rows of ``segments``: the longest padded, at least ``floor`` (and its half);
     ``U`` is 0 when no segment has a with-rubric stream (the two layouts are then one)."""
@@ -383,8 +387,7 @@ def plan_rows(
         rows = _tree_rows(samples, groups, segments, t, u)
     else:
         rows = [[i for g in m for i in groups[g]] for m in _rows(segments, t, u, pack)]
-    stream_rows = sum(layout == "two-stream" and any(samples[i].insert for i in row) for row in rows)
-    return RowPlan(rows, t, u, stream_rows)
+    return RowPlan(rows, t, u, sum(_holds_stream(samples, row, layout) for row in rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,8 +466,7 @@ def build_batch(
     elif sorted(i for row in rows for i in row) != list(range(len(samples))):
         raise ValueError("rows must hold every sample exactly once")
     # Rows holding a with-rubric stream first: the stream's arrays have only those rows.
-    streams = lambda row: layout == "two-stream" and any(samples[i].insert for i in row)  # noqa: E731
-    rows = sorted(rows, key=lambda row: not streams(row))
+    rows = sorted(rows, key=lambda row: not _holds_stream(samples, row, layout))
     # The segments of each row: with ``share_prefix`` one tree of all its samples (no longer than
     # the trees planned into it: a trie of their union holds each token once).
     in_rows = [[list(row)] if share_prefix else [[i] for i in row] for row in rows]
@@ -482,7 +484,7 @@ def build_batch(
     # Rows, stream rows, response length and LM-head positions a row the samples need, unpadded.
     need = (
         len(members),
-        sum(map(streams, rows)),
+        sum(_holds_stream(samples, row, layout) for row in rows),
         max(len(s.response) for s in samples),
         max(sum(len(samples[i].response) for i in row) for row in rows),
     )
@@ -510,7 +512,6 @@ def build_batch(
         "rubric_tokens": np.full((stream_rows, u), pad_id, np.int32),
         "rubric_positions": np.zeros((stream_rows, u), np.int32),
         "rubric_branch": np.full((stream_rows, u), PAD, np.int32),
-        "rubric_segment": np.full((stream_rows, u), PAD, np.int32),
         "rubric_reach": np.full((stream_rows, u), PAD, np.int32),
         "rubric_anchor": np.full((stream_rows, u), PAD, np.int32),
     }
@@ -538,7 +539,7 @@ def build_batch(
             if g.rubric:
                 span = slice(at_rubric, at_rubric + len(g.rubric))
                 rubric["rubric_tokens"][row, span], rubric["rubric_positions"][row, span] = g.rubric, g.rubric_positions
-                rubric["rubric_branch"][row, span], rubric["rubric_segment"][row, span] = g.rubric_branch, seg
+                rubric["rubric_branch"][row, span] = g.rubric_branch
                 rubric["rubric_reach"][row, span] = np.asarray(g.rubric_reach) + at_rubric
                 rubric["rubric_anchor"][row, span] = np.asarray(g.rubric_anchor) + at
             for q, i in enumerate(groups[gi]):

@@ -412,7 +412,9 @@ def test_packed_rows_by_hand():
     np.testing.assert_array_equal(b.without_index[[2, 3], 0], [1, 4])  # 31 follows 21; 30 follows 20
     assert b.rubric_tokens.shape == (2, 8)  # both rows hold a stream
     np.testing.assert_array_equal(b.rubric_tokens[1], [41, 21, 31, 0, 0, 0, 0, 0])
-    np.testing.assert_array_equal(b.rubric_segment[1], [0, 0, 0, -1, -1, -1, -1, -1])
+    # The stream's tokens are one segment's: they see each other and, in the row, its prefix [11].
+    np.testing.assert_array_equal(b.rubric_reach[1], [2, 2, 2, -1, -1, -1, -1, -1])
+    np.testing.assert_array_equal(b.rubric_anchor[1], [0, 0, 0, -1, -1, -1, -1, -1])
     np.testing.assert_array_equal(b.with_index[2, 0], 1)  # 31 follows 21 in the rubric stream
     np.testing.assert_array_equal(b.head, [[0, 1], [0, 2]])  # the LM head: real slot tokens (not row 0 slot 1)
     mask = np.asarray(attention_mask(jnp.asarray(b.reach)))[1].astype(int)
@@ -470,7 +472,8 @@ def test_two_stream_layout_by_hand():
     np.testing.assert_array_equal(b.rubric_tokens[0], [21, 22, 23, 31, 41, 42, 0, 0])
     np.testing.assert_array_equal(b.rubric_positions[0], [2, 3, 4, 5, 6, 7, 0, 0])
     np.testing.assert_array_equal(b.rubric_branch[0], [SHARED] * 4 + [WITH] * 2 + [PAD] * 2)  # [insert tail], response
-    np.testing.assert_array_equal(b.rubric_segment[0], [0] * 6 + [-1] * 2)
+    np.testing.assert_array_equal(b.rubric_reach[0], [5] * 6 + [-1] * 2)  # one prompt's stream
+    np.testing.assert_array_equal(b.rubric_anchor[0], [1] * 6 + [-1] * 2)  # it reads the prefix [11 12]
     np.testing.assert_array_equal(b.sample, [0, 1, -1, -1])
     # It sees its prefix (cache slots 0-1) and itself (slots 8 + its index), causally.
     seen = np.asarray(rubric_attention_mask(b))[0].astype(int)
