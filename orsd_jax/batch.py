@@ -28,7 +28,7 @@ pass never touches the rubric's tokens and the prefix is computed once (``benchm
 measures both layouts against two plain forwards).
 
 With ``build_batch(pack=True)`` a row holds several samples one after another, each a segment
-(``segment``: its slot in the row) that attends only to itself, so rows of
+that attends only to itself (``reach`` ends at the segment's end), so rows of
 short and long prompts waste fewer padding slots. Per-sample arrays then have ``B = R x k``
 slots, row-major (slot ``b`` is in row ``b // k``), and ``sample`` names the input sample in
 each; ``head`` names the slot tokens of each row that the LM head scores (its real response
@@ -134,7 +134,6 @@ class Batch:
     tokens: Int32[np.ndarray | jax.Array, "R T"]
     positions: Int32[np.ndarray | jax.Array, "R T"]
     branch: Int32[np.ndarray | jax.Array, "R T"]  # SHARED, WITH, WITHOUT or PAD
-    segment: Int32[np.ndarray | jax.Array, "R T"]  # the token's segment in its row, PAD for padding
     # The last index of the token's subtree in its row (PAD for padding): query i attends key j iff
     # j <= i <= reach[j] (``attention_mask``), whatever tree the row holds.
     reach: Int32[np.ndarray | jax.Array, "R T"]
@@ -506,7 +505,6 @@ def build_batch(
     tokens = np.full((r, t), pad_id, np.int32)
     positions = np.zeros((r, t), np.int32)
     branch = np.full((r, t), PAD, np.int32)
-    segment = np.full((r, t), PAD, np.int32)
     reach = np.full((r, t), PAD, np.int32)
     rubric = {
         "rubric_tokens": np.full((stream_rows, u), pad_id, np.int32),
@@ -526,15 +524,10 @@ def build_batch(
     for row, in_row in enumerate(members):
         # Where the next segment starts in the row and in its stream; the next slot; the next LM-head position.
         at, at_rubric, j, scored = 0, 0, row * k, 0
-        for seg, gi in enumerate(in_row):
+        for gi in in_row:
             g, n = segments[gi], len(segments[gi].tokens)
             span = slice(at, at + n)
-            tokens[row, span], positions[row, span], branch[row, span], segment[row, span] = (
-                g.tokens,
-                g.positions,
-                g.branch,
-                seg,
-            )
+            tokens[row, span], positions[row, span], branch[row, span] = g.tokens, g.positions, g.branch
             reach[row, span] = np.asarray(g.reach) + at
             if g.rubric:
                 span = slice(at_rubric, at_rubric + len(g.rubric))
@@ -559,7 +552,6 @@ def build_batch(
         tokens=tokens,
         positions=positions,
         branch=branch,
-        segment=segment,
         reach=reach,
         sample=sample,
         response=response,

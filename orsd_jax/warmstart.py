@@ -246,23 +246,30 @@ def frozen_states(graphdef, params, batches: Sequence[IndexedBatch], n: int) -> 
     out: list[np.ndarray] = [np.empty(0)] * n
     for indices, batch in batches:
         states = np.asarray(run(params, batch))
-        for (row, where), i in zip(_segments(batch), indices):
+        for (row, where), i in zip(_columns(batch), indices):
             out[i] = states[row, where]
     return out
 
 
-def _segments(batch: Batch) -> list[tuple[int, np.ndarray]]:
-    """Per input sample of ``batch``, in input order: its row and the positions of its tokens there."""
-    segment, slots = np.asarray(batch.segment), np.asarray(batch.sample)  # one sample a segment: no share_prefix
-    k = len(slots) // len(segment)
-    return [(int(j // k), np.flatnonzero(segment[j // k] == j % k)) for j in batch.sample_slots()]
+def _columns(batch: Batch) -> list[tuple[int, np.ndarray]]:
+    """Per input sample of ``batch``, in input order: its row and the columns of its tokens there,
+    in order: the ancestors of its last response token in the row's tree, itself included (any
+    layout; a sample's branch after its prefix is contiguous)."""
+    reach, index = np.asarray(batch.reach), np.asarray(batch.without_index)
+    lengths = np.asarray(batch.response_mask).sum(axis=1).astype(int)
+    k, columns = len(index) // len(reach), np.arange(reach.shape[1])
+    out = []
+    for j in batch.sample_slots():
+        row, last = int(j // k), index[j, lengths[j] - 1] + 1  # the column after the one predicting it
+        out.append((row, np.flatnonzero((columns <= last) & (last <= reach[row]))))
+    return out
 
 
 def place_states(batch: Batch, states: Sequence[np.ndarray]) -> np.ndarray:
     """``[R, T, D]`` of ``batch`` from its input samples' ``[T_i, D]`` states, zeros elsewhere
     (padding: masked out of every loss)."""
     out = np.zeros((*batch.tokens.shape, states[0].shape[-1]), states[0].dtype)
-    for (row, where), values in zip(_segments(batch), states):
+    for (row, where), values in zip(_columns(batch), states):
         out[row, where] = values
     return out
 

@@ -284,8 +284,8 @@ def test_shared_prefixes_equal_two_forwards(layout, pack):
     segment; the loss and gradients are the independent objective's."""
     samples, reference = reference_case(shared=True)
     batch = build_batch(samples, seq_multiple=16, response_multiple=4, layout=layout, pack=pack, share_prefix=True)
-    rows, segments = np.nonzero(np.asarray(batch.segment) >= 0)[0], np.asarray(batch.segment)[batch.segment >= 0]
-    assert len(set(zip(rows, segments))) == 2  # samples 0, 2, 3 in one; 1, 4 in another
+    roots = (np.asarray(batch.positions) == 0) & (np.asarray(batch.branch) != PAD)
+    assert roots.sum() == 2  # two trees: samples 0, 2, 3 in one; 1, 4 in another
     assert (np.asarray(batch.branch) == SHARED).sum() == len(samples[0].prefix) + len(samples[1].prefix)
     loss, grads = packed_value_and_grad(batch, LOSS)
     expected_loss, expected_grads = reference(tiny_model()[1], LOSS.coef)
@@ -355,7 +355,7 @@ def test_shared_prefix_by_hand():
     np.testing.assert_array_equal(batch.tokens, [[1, 2, 3, 4, 5, 3, 6, 7]])
     np.testing.assert_array_equal(batch.positions, [[0, 1, 2, 3, 4, 2, 3, 4]])
     np.testing.assert_array_equal(batch.branch, [[SHARED] * 2 + [WITHOUT] * 3 + [WITHOUT + 2] * 3])
-    np.testing.assert_array_equal(batch.segment, [[0] * 8])
+    np.testing.assert_array_equal(batch.reach, [[7, 7, 4, 4, 4, 7, 7, 7]])  # one tree: the prefix reaches both
     np.testing.assert_array_equal(batch.sample, [0, 1])
     np.testing.assert_array_equal(batch.without_index, [[2, 3], [5, 6]])  # 6 follows the second tail
     np.testing.assert_array_equal(batch.rubric_tokens, [[9, 8, 3, 4, 5, 6, 7, 0]])
@@ -406,7 +406,7 @@ def test_packed_rows_by_hand():
     b = build_batch([short[0], long, short[1]], seq_multiple=8, response_multiple=2, layout="two-stream", pack=True)
     np.testing.assert_array_equal(b.tokens, [[1, 2, 3, 4, 5, 6, 7, 0], [11, 21, 31, 10, 20, 30, 0, 0]])
     np.testing.assert_array_equal(b.positions[1], [0, 1, 2, 0, 1, 2, 0, 0])
-    np.testing.assert_array_equal(b.segment, [[0] * 7 + [-1], [0, 0, 0, 1, 1, 1, -1, -1]])
+    np.testing.assert_array_equal(b.reach, [[6] * 7 + [-1], [2, 2, 2, 5, 5, 5, -1, -1]])  # row 1: two segments
     np.testing.assert_array_equal(b.sample, [1, -1, 2, 0])  # slots: row-major, 2 per row
     np.testing.assert_array_equal(b.sample_slots(), [3, 0, 2])
     np.testing.assert_array_equal(b.without_index[[2, 3], 0], [1, 4])  # 31 follows 21; 30 follows 20

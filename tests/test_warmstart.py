@@ -248,6 +248,11 @@ def test_frozen_states_computed_once_give_the_same_loss_and_gradients(setup):
     once = [([2, 0], build_batch([samples[2], samples[0]], pack=True)), ([1], build_batch([samples[1]]))]
     states = frozen_states(graphdef, params, once, len(samples))  # a packed row, then one alone
     assert [s.shape for s in states] == [(n, config.hidden_size) for n in lengths]
+    # The same states from one prompt tree (their common beginning once): each sample's path in it.
+    tree = build_batch(samples, pack=True, share_prefix=True, rows=[[0, 1, 2]])
+    assert int(np.sum(np.asarray(tree.reach) >= 0)) < sum(lengths)
+    for a, b in zip(frozen_states(graphdef, params, [([0, 1, 2], tree)], len(samples)), states):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
     def loss(p, b):
         return SupervisedLoss(chunk_size=4)(nnx.merge(graphdef, p), b)[0]
