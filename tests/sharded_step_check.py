@@ -54,8 +54,7 @@ def main():
         ("replicated", False, "packed", False, False),
         ("fsdp", True, "packed", False, False),
         ("two-stream", True, "two-stream", False, False),
-        ("packed rows", True, "two-stream", True, False),
-        ("prompt trees", True, "two-stream", True, True),
+        ("prompt trees", True, "two-stream", True, True),  # packed rows of several samples, as trees
     ]
     for name, fsdp, layout, pack, share_prefix in cases:
         params, metrics, specs, steps = run(make_mesh(4), fsdp, layout, pack, share_prefix)

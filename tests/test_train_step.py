@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import LOSS, assert_trees_close, fast_jit, make_samples, tiny_model
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -30,6 +31,12 @@ HERE = pathlib.Path(__file__).resolve().parent
 @functools.partial(fast_jit, static_argnums=2)
 def _loss_and_grads(params, batch, micro_batches):
     return loss_and_grads(OrsdLoss(LOSS), tiny_model()[0], params, batch, micro_batches)
+
+
+@fast_jit
+def _loss_sums(params, batch):
+    loss_sum, count, sums, _ = OrsdLoss(LOSS)(nnx.merge(tiny_model()[0], params), batch)
+    return loss_sum, count, sums
 
 
 MIXED = (True, False, True, True, False, True, False, True)
@@ -115,7 +122,7 @@ def test_sharded_step_equals_single_device():
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(np.isfinite(out["single_loss"]))
-    for name in ("replicated", "fsdp", "two-stream", "packed rows", "prompt trees"):
+    for name in ("replicated", "fsdp", "two-stream", "prompt trees"):
         assert out[name]["steps"] == 2
         assert out[name]["param_diff"] < 1e-5, (name, out[name]["param_diff"])
         assert out[name]["metric_diff"] < 1e-5, (name, out[name]["metric_diff"])
@@ -197,10 +204,12 @@ def test_packed_order_deals_the_updates_rows_in_one_shape():
         assert batch.response.shape == (shape.rows * shape.slots, shape.response)
         assert batch.rubric_tokens is None or batch.rubric_tokens.shape == (shape.rows, shape.stream)
         own = build_batch(chosen, seq_multiple=16, layout="two-stream", pack=True, share_prefix=True)
-        (_, got, got_metrics, _), (_, want, want_metrics, _) = (_loss_and_grads(params, b, 1) for b in (batch, own))
+        # The forward's sums (their gradients: the micro-batch test's), for less compilation.
+        (got, got_count, got_sums), (want, want_count, want_sums) = (_loss_sums(params, b) for b in (batch, own))
         np.testing.assert_allclose(float(got), float(want), rtol=1e-5, atol=1e-6)
-        for name in ("sum/gap", "sum/rubric_tokens", "tokens"):
-            np.testing.assert_allclose(float(got_metrics[name]), float(want_metrics[name]), rtol=1e-5, atol=1e-5)
+        assert float(got_count) == float(want_count) == sum(len(s.response) for s in chosen)
+        for name in ("gap", "rubric_tokens"):
+            np.testing.assert_allclose(float(got_sums[name]), float(want_sums[name]), rtol=1e-5, atol=1e-5)
     assert len({s.samples for s in steps}) == 6  # the epochs deal different rows
     first = next(s for s in steps if 0 in s.samples)  # prompt 0's three samples: a row of 3 slots at least
     chosen = [samples[i] for i in first.samples]
