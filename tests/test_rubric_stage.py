@@ -135,7 +135,7 @@ def test_asynchronous_episodes_are_the_synchronous_ones_when_greedy(server, tmp_
     sampler = VLLMSampler(server, tokenizer, scratch_dir=tmp_path / "weights")
     tasks = load_split(default_games("easy", 0, 200, 50), "train")[TASKS : 2 * TASKS]
     greedy = dataclasses.replace(ROLLOUT, temperature=0.0)
-    g = 2  # greedy episodes of a group are alike: two show the order of the group's episodes
+    g = 2  # greedy: a group's episodes play alike; two check that they keep their order
     pool = EnvPool(functools.partial(AlfworldEnv, max_steps=ROLLOUT.max_steps), TASKS * g, n_workers=2)
     try:
         played = [
