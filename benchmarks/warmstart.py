@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 import time
 
@@ -34,19 +33,21 @@ import numpy as np
 
 from benchmarks.loss import matmul_seconds
 from orsd_jax import chat
-from orsd_jax.batch import Batch, StepSample, build_batch, plan_rows
+from orsd_jax.batch import Batch, StepSample, plan_rows
 from orsd_jax.config import preset
 from orsd_jax.estimate import frozen_flops, trained_flops
 from orsd_jax.models import ModelConfig, load_model
 from orsd_jax.train_step import init_train_state, make_mesh, make_optimizer, make_train_step
 from orsd_jax.warmstart import (
-    ROW_MULTIPLE,
+    IndexedBatch,
     SupervisedLoss,
     WarmStartRun,
     demo_sample,
     demonstrations,
     finetune_plan,
     frozen_states,
+    packed_batch,
+    row_multiple,
 )
 
 
@@ -80,26 +81,16 @@ def alone_flops(c: ModelConfig, lengths: list[int], answers: list[int]) -> tuple
     return below, sum(trained_flops(c, 1, n, a) for n, a in zip(lengths, answers))
 
 
-def tree_pass(samples: list[StepSample], rows: int, tokens: int, multiple: int) -> list[tuple[list[int], Batch]]:
+def tree_pass(samples: list[StepSample], rows: int, tokens: int, multiple: int) -> list[IndexedBatch]:
     """The frozen layers' pass as prompt trees: the demonstrations planned into rows of ``tokens``
     tokens, each row the trie of its prompts (``batch.plan_rows(share_prefix=True)``), ``rows`` rows
     a batch. A token's states depend on its ancestors only, so each demonstration reads its own
     from its path in the tree (``warmstart.frozen_states``)."""
     planned = plan_rows(samples, pack=True, share_prefix=True, row_tokens=tokens).rows
-    out = []
-    for start in range(0, len(planned), rows):
-        chunk = planned[start : start + rows]
-        indices = [i for row in chunk for i in row]
-        at = {i: n for n, i in enumerate(indices)}
-        batch = build_batch(
-            [samples[i] for i in indices],
-            pack=True,
-            share_prefix=True,
-            rows=[[at[i] for i in row] for row in chunk],
-            batch_multiple=multiple,
-        )
-        out.append((indices, batch))
-    return out
+    return [
+        packed_batch(samples, planned[s : s + rows], share_prefix=True, batch_multiple=multiple)
+        for s in range(0, len(planned), rows)
+    ]
 
 
 def time_pass(graphdef, params, batches, n: int, c: ModelConfig) -> str:
@@ -169,7 +160,7 @@ def main() -> None:
         lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
         below, above = alone_flops(c, lengths, [len(s.response) for s in samples])
         alone = (below, above * run.train.epochs)  # the frozen pass runs once
-        multiple = math.lcm(make_mesh().size * run.train.micro_batches, ROW_MULTIPLE)
+        multiple = row_multiple(run.train, make_mesh().size)
         trees = tree_pass(samples, run.train.batch_size, args.tree_tokens, multiple) if args.tree_tokens else []
         measured = measure(model, run, samples, plan, args.measure, trees) if args.measure else ("", "", "")
         name = f"{env} ({len(samples)} demonstrations, {sum(lengths):,} tokens, {c.frozen_layers} of {c.num_layers} layers frozen)"

@@ -123,11 +123,11 @@ def packed_steps(
     with ``share_prefix`` a row's prompts one tree, one task's prompts together; first fit over the
     whole update fills rows better, and shares more, than over a minibatch), the rows shuffled and
     dealt into ``ceil(N / spec.rows)`` steps, the rows with a with-rubric stream and those without
-    each as evenly as they go, so that every step has about as many of each. Every step is padded to the one ``BatchShape``: the epoch's train
-    steps compile once. The row length is the one of ``row_lengths`` whose plan costs least: the
-    fewest padded slots, weighed by the keys each reads (``MinibatchSpec.attention_tokens``; a row
-    of twice the longest segment can hold two of the common shorter ones, but its attention reads
-    twice the keys)."""
+    each as evenly as they go, so that every step has about as many of each. Every step is padded
+    to the one ``BatchShape``: the epoch's train steps compile once. The row length is the one of
+    ``row_lengths`` whose plan costs least: the fewest padded slots, weighed by the keys each reads
+    (``MinibatchSpec.attention_tokens``; a row of twice the longest segment can hold two of the
+    common shorter ones, but its attention reads twice the keys)."""
     if not spec.pack:
         raise ValueError("the packed order packs rows: it needs MinibatchSpec.pack")
     perm = rng.permutation(len(samples))  # first fit breaks ties between equal lengths in this order

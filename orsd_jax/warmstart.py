@@ -143,15 +143,20 @@ class FinetunePlan:
     epochs: list[list[IndexedBatch]]
 
 
+def row_multiple(config: FinetuneConfig, devices: int) -> int:
+    """What a fine-tune's batches pad their row count to: a multiple of 8 (and of the devices x
+    micro-batches), so a short last batch of a kind costs its own rows, for at most a few more
+    compiled shapes per prompt-length bucket."""
+    return math.lcm(devices * config.micro_batches, ROW_MULTIPLE)
+
+
 def finetune_plan(samples: Sequence[StepSample], config: FinetuneConfig, *, devices: int, frozen: bool) -> FinetunePlan:
     """The batches ``finetune`` runs, from the samples' lengths and ``config`` alone (shuffled with
     ``config.seed``), for ``devices`` data-parallel devices; ``benchmarks/warmstart.py`` counts
     their FLOPs."""
     rng = random.Random(config.seed)
     orders = [shuffled_batches(len(samples), len(samples), rng)[0] for _ in range(config.epochs)]
-    # Rows padded to a multiple of 8 (and of the devices x micro-batches): a short last batch of a
-    # kind costs its own rows, for at most a few more compiled shapes per prompt-length bucket.
-    multiple = math.lcm(devices * config.micro_batches, ROW_MULTIPLE)
+    multiple = row_multiple(config, devices)
     lengths = [len(s.prefix) + len(s.tail) + len(s.response) for s in samples]
     if config.pack_tokens:
         if config.batch_size % (devices * config.micro_batches):
@@ -167,7 +172,7 @@ def finetune_plan(samples: Sequence[StepSample], config: FinetuneConfig, *, devi
             response=max(len(s.response) for s in samples),
             head=max(sum(len(samples[i].response) for i in row) for row in rows),
         )
-        make = functools.partial(_packed_batch, samples, shape=shape)
+        make = functools.partial(packed_batch, samples, shape=shape)
         epochs = [[make(rows) for rows in plan] for plan in plans]
     else:
         by_size = [
@@ -211,12 +216,14 @@ def packed_steps(lengths: Sequence[int], order: Sequence[int], rows: int, tokens
     return steps
 
 
-def _packed_batch(samples: Sequence[StepSample], step: Sequence[Sequence[int]], *, shape: BatchShape) -> IndexedBatch:
-    """One update of ``packed_steps`` as a batch of the one ``shape`` every update has."""
+def packed_batch(samples: Sequence[StepSample], step: Sequence[Sequence[int]], **options) -> IndexedBatch:
+    """The samples of ``step``'s rows (indices into ``samples``) as one batch of those rows
+    (``build_batch(pack=True, rows=...)`` with ``options``: an update of ``packed_steps`` in the
+    ``shape`` every update has, or prompt trees with ``share_prefix``)."""
     indices = [i for row in step for i in row]
     at = {i: n for n, i in enumerate(indices)}
     batch = build_batch(
-        [samples[i] for i in indices], pack=True, rows=[[at[i] for i in row] for row in step], shape=shape
+        [samples[i] for i in indices], pack=True, rows=[[at[i] for i in row] for row in step], **options
     )
     return indices, batch
 
