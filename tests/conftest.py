@@ -2,6 +2,7 @@ import collections
 import os
 import pathlib
 
+import jax
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -22,6 +23,14 @@ def webshop_data() -> pathlib.Path:
 # Imported models and generated games are cached inside the checkout (ignored by git), so the
 # suite never writes to the user's home and a second run reuses them.
 os.environ.setdefault("ORSD_JAX_CACHE", str(REPO / ".cache"))
+# Unoptimised XLA code for the programs the tests compile in this process: their models are tiny
+# and their shapes seldom repeat, so compiling, not running, is their time (test_models 110 s against
+# 142, test_warmstart 49 against 104 with its loss checks jitted). Runs the tests start compile as a
+# user's do: their programs repeat from run to run and load from the compile cache, and a tiny run
+# with a warm cache took 17.3 s unoptimised against 14.6 (python -m experiments.train_alfworld
+# --preset tiny --updates 2; from an empty cache 25.5 against 30.6). helpers.optimized: a test's
+# longer computations.
+jax.config.update("jax_disable_most_optimizations", True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,6 +1,6 @@
 """What several test modules share: a tiny random model, step samples near its own log-probs,
-the loss configuration they run, fast compilation, tree comparisons, and the model's own log-probs
-of sampled completions (the samplers' oracle)."""
+the loss configuration they run, full XLA optimisation where it pays, tree comparisons, and the
+model's own log-probs of sampled completions (the samplers' oracle)."""
 
 import contextlib
 import dataclasses
@@ -17,9 +17,17 @@ from orsd_jax.batch import StepSample
 from orsd_jax.loss import LossConfig
 from orsd_jax.models import CausalLM, ModelConfig
 
-# Unoptimised XLA code compiles about three times faster on CPU; these models are tiny.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-fast_jit = functools.partial(jax.jit, compiler_options=FAST)
+
+@contextlib.contextmanager
+def optimized():
+    """XLA's full optimisation for the programs compiled inside, which run long enough to repay it
+    (conftest.py turns it off for the tests' own programs)."""
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", True)
+
 
 CONFIG = ModelConfig(
     "qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8

@@ -15,7 +15,6 @@ from helpers import (
     RUBRIC_ROWS,
     SHARED_PROMPTS,
     assert_trees_close,
-    fast_jit,
     make_samples,
     max_tree_diff,
     sequence_logprobs,
@@ -232,7 +231,7 @@ def reference_case(shared: bool = False, trie: bool = False):
         term = term + LOSS.kl_coef * jnp.clip(jnp.exp(d) - d - 1, -10, 10) - LOSS.entropy_coef * ent
         return jnp.sum(term * mask) / jnp.sum(mask)
 
-    return samples, fast_jit(jax.value_and_grad(loss))
+    return samples, jax.jit(jax.value_and_grad(loss))
 
 
 def packed_value_and_grad(batch, config):
@@ -242,7 +241,7 @@ def packed_value_and_grad(batch, config):
         loss_sum, count, _, _ = OrsdLoss(config)(nnx.merge(graphdef, p), batch)
         return loss_sum / count
 
-    return fast_jit(jax.value_and_grad(f))(params)
+    return jax.jit(jax.value_and_grad(f))(params)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -441,7 +440,7 @@ def test_frozen_bottom_layers_equal_two_forwards(layout, shared):
         loss_sum, count, _, _ = OrsdLoss(LOSS)(nnx.merge(frozen_graphdef, p), batch)
         return loss_sum / count
 
-    loss, grads = fast_jit(jax.value_and_grad(f))(params)
+    loss, grads = jax.jit(jax.value_and_grad(f))(params)
     expected_loss, expected_grads = reference(params, LOSS.coef)
     np.testing.assert_allclose(float(loss), float(expected_loss), atol=1e-5, rtol=0)
     for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(expected_grads)):
@@ -504,7 +503,7 @@ def test_coef_zero_is_plain_grpo():
     assert (grpo_batch.branch != PAD).sum() == sum(p + t + y for p, _, t, y in sizes)
     assert (batch.branch != PAD).sum() == sum(p + (r + t + y if r else 0) + t + y for p, r, t, y in sizes)
     graphdef, params = tiny_model()
-    loss_sum, count, _, _ = fast_jit(lambda p, b: OrsdLoss(config)(nnx.merge(graphdef, p), b))(params, grpo_batch)
+    loss_sum, count, _, _ = jax.jit(lambda p, b: OrsdLoss(config)(nnx.merge(graphdef, p), b))(params, grpo_batch)
     np.testing.assert_allclose(float(loss_sum / count), float(expected_loss), atol=1e-5, rtol=0)
 
 
@@ -527,7 +526,7 @@ def test_kl_to_a_reference_model_in_the_same_step():
     )
     batch = build_batch([dataclasses.replace(s, ref_logprobs=None) for s in samples], seq_multiple=16)
     assert batch.ref_logp is None
-    step = fast_jit(lambda p, b, r: loss_and_grads(OrsdLoss(LOSS), graphdef, p, b, reference=r)[:2])
+    step = jax.jit(lambda p, b, r: loss_and_grads(OrsdLoss(LOSS), graphdef, p, b, reference=r)[:2])
     grads, loss = step(params, batch, ref_params)
     expected_loss, expected_grads = reference(params, LOSS.coef, ref_logp)
     np.testing.assert_allclose(float(loss), float(expected_loss), atol=1e-5, rtol=0)

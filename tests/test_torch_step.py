@@ -3,11 +3,12 @@ model of ``test_loss``: the same loss, the same gradients per Hugging Face tenso
 
 import dataclasses
 
+import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import CONFIG, LOSS, RUBRIC_ROWS, fast_jit, make_samples, tiny_model
+from helpers import CONFIG, LOSS, RUBRIC_ROWS, make_samples, tiny_model
 
 from benchmarks.torch_step import make_torch_step
 from orsd_jax.batch import build_batch
@@ -21,9 +22,8 @@ OPTIMIZER = OptimizerConfig(learning_rate=1e-2, weight_decay=0.01, grad_clip=1.0
 
 def jax_step(graphdef, params, batch, frozen_layers):
     """``(loss, grads, grad_norm, params after)``: the body of ``make_train_step``'s step (loss and
-    gradients of ``loss_and_grads``, ``make_optimizer``'s clipping and AdamW) on one device, under
-    ``fast_jit``: the jitted step itself compiles with full optimisation (12 s on 2 cores, twice
-    the rest of this test) and does not hand back its gradients."""
+    gradients of ``loss_and_grads``, ``make_optimizer``'s clipping and AdamW) on one device, jitted
+    here: the jitted step does not hand back its gradients."""
     optimizer = make_optimizer(OPTIMIZER, frozen_layers)
 
     def step(params, batch):
@@ -31,7 +31,7 @@ def jax_step(graphdef, params, batch, frozen_layers):
         updates, _ = optimizer.update(grads, optimizer.init(params), params)
         return loss, grads, optax.tree.norm(grads), optax.apply_updates(params, updates)
 
-    return fast_jit(step)(params, batch)
+    return jax.jit(step)(params, batch)
 
 
 # Gradient checkpointing recomputes the same forward: the second case checks it changes nothing.
