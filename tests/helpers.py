@@ -21,11 +21,16 @@ from orsd_jax.models import CausalLM, ModelConfig
 @contextlib.contextmanager
 def optimized():
     """XLA's full optimisation for the programs compiled inside, which run long enough to repay it
-    (conftest.py turns it off for the tests' own programs)."""
+    (conftest.py turns it off for the tests' own programs). JAX caches a program under the same key
+    either way, so the caches are cleared on the way in and out: a module-level jitted function
+    (the JAX sampler's decode) compiled unoptimised by an earlier test would run inside otherwise,
+    and its float rounding differ from a command's."""
+    jax.clear_caches()
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield
     finally:
+        jax.clear_caches()
         jax.config.update("jax_disable_most_optimizations", True)
 
 
