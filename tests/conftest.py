@@ -28,8 +28,8 @@ os.environ.setdefault("ORSD_JAX_CACHE", str(REPO / ".cache"))
 # 142, test_warmstart 49 against 104 with its loss checks jitted). Runs the tests start compile as a
 # user's do: their programs repeat from run to run and load from the compile cache, and a tiny run
 # with a warm cache took 17.3 s unoptimised against 14.6 (python -m experiments.train_alfworld
-# --preset tiny --updates 2; from an empty cache 25.5 against 30.6). helpers.optimized: a test's
-# longer computations.
+# --preset tiny --updates 2; from an empty cache 25.5 against 30.6; machine and commits in
+# docs/changelog.md, 2026-12-08). helpers.optimized: a test's longer computations.
 jax.config.update("jax_disable_most_optimizations", True)
 
 

@@ -17,6 +17,9 @@ from orsd_jax.batch import StepSample
 from orsd_jax.loss import LossConfig
 from orsd_jax.models import CausalLM, ModelConfig
 
+# The environment of a command whose programs no other test compiles: unoptimised, as this process's.
+UNOPTIMISED = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+
 
 @contextlib.contextmanager
 def optimized():

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import run_metrics, without_timing
+from helpers import UNOPTIMISED, run_metrics, without_timing
 from safetensors.numpy import load_file
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -21,12 +21,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def _launch(out: pathlib.Path, devices: int, *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "experiments.train_alfworld", "--preset", "tiny", "--updates", "2"]
-    # Unoptimised XLA code: these runs' sharded programs are compiled by no other test (73 s against 93).
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
-    }
+    # Unoptimised: these runs' sharded programs are compiled by no other test (74 s against 93).
+    env = {**os.environ, **UNOPTIMISED, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     return subprocess.Popen(
         [*command, "--out", str(out), *extra], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import LOSS, assert_trees_close, make_samples, tiny_model
+from helpers import LOSS, UNOPTIMISED, assert_trees_close, make_samples, tiny_model
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -113,8 +113,7 @@ def test_mesh_is_auto_data_axis():
 
 
 def test_sharded_step_equals_single_device():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # as in this process (conftest.py)
+    env = {**os.environ, **UNOPTIMISED, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     proc = subprocess.run(
         [sys.executable, str(HERE / "sharded_step_check.py")], env=env, capture_output=True, text=True, timeout=600
     )
